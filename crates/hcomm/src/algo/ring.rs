@@ -1,0 +1,208 @@
+//! Ring algorithms: reduce-scatter, all-gather, and all-reduce as their composition.
+//!
+//! With `n` ranks and `S` bytes each rank sends and receives `S (n-1)/n` bytes per phase, the
+//! bandwidth optimum; each step's receive is reduced through a fixed-size staging buffer while
+//! the next bytes arrive, so reduction overlaps transfer.
+
+use super::{split_two, Run};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::reduce::Order;
+use crate::transport::tcp::Sink;
+use std::ops::Range;
+
+fn neighbours(run: &Run) -> (usize, usize) {
+    let n = run.size;
+    ((run.rank + 1) % n, (run.rank + n - 1) % n)
+}
+
+/// In-place ring reduce-scatter over `buf` split into `segs`: afterwards segment `rank` holds
+/// the reduction of every rank's segment `rank`; other segments hold partial sums. Uses steps
+/// `step0 .. step0 + n - 1`.
+pub fn reduce_scatter_in_place(
+    run: &mut Run,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    step0: u32,
+) -> Result<()> {
+    let n = run.size;
+    let r = run.rank;
+    let (right, left) = neighbours(run);
+    for t in 0..n - 1 {
+        let s_idx = (r + 2 * n - t - 1) % n;
+        let r_idx = (r + 2 * n - t - 2) % n;
+        let (send, recv) = split_two(buf, segs[s_idx].clone(), segs[r_idx].clone());
+        run.step(
+            step0 + t as u32,
+            Some((right, send)),
+            Some((
+                left,
+                Sink::Reduce {
+                    dst: recv,
+                    dtype,
+                    op,
+                    order: Order::SrcFirst,
+                },
+            )),
+        )?;
+    }
+    Ok(())
+}
+
+/// In-place ring all-gather: segment `rank` of `buf` is this rank's contribution; afterwards
+/// every segment holds its owner's. Uses steps `step0 .. step0 + n - 1`.
+pub fn all_gather_in_place(
+    run: &mut Run,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    step0: u32,
+) -> Result<()> {
+    let n = run.size;
+    let r = run.rank;
+    let (right, left) = neighbours(run);
+    for t in 0..n - 1 {
+        let s_idx = (r + n - t) % n;
+        let r_idx = (r + 2 * n - t - 1) % n;
+        let (send, recv) = split_two(buf, segs[s_idx].clone(), segs[r_idx].clone());
+        run.step(
+            step0 + t as u32,
+            Some((right, send)),
+            Some((left, Sink::Buf(recv))),
+        )?;
+    }
+    Ok(())
+}
+
+/// Ring all-reduce in place: reduce-scatter then all-gather.
+pub fn all_reduce(
+    run: &mut Run,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    reduce_scatter_in_place(run, buf, segs, dtype, op, 0)?;
+    all_gather_in_place(run, buf, segs, run.size as u32)
+}
+
+/// Out-of-place ring reduce-scatter that never writes `input`: `output` receives the
+/// reduction of segment `rank`. Memory: two buffers of the largest segment.
+///
+/// When `input` is `None` the operation is in place on `output_full` (NCCL convention: the
+/// result lands in segment `rank` of the same buffer; the other segments are not modified).
+pub fn reduce_scatter(
+    run: &mut Run,
+    io: RsIo,
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = run.size;
+    let r = run.rank;
+    let (right, left) = neighbours(run);
+    let max = segs.iter().map(|s| s.len()).max().unwrap_or(0);
+    let mut tmp = vec![0u8; if n > 2 { 2 * max } else { 0 }];
+    let (mut io_in, mut io_out): (Option<&[u8]>, Option<&mut [u8]>) = (None, None);
+    let mut inplace: Option<&mut [u8]> = None;
+    match io {
+        RsIo::Out { input, output } => {
+            io_in = Some(input);
+            io_out = Some(output);
+        }
+        RsIo::InPlace(buf) => inplace = Some(buf),
+    }
+    for t in 0..n - 1 {
+        let s_idx = (r + 2 * n - t - 1) % n;
+        let r_idx = (r + 2 * n - t - 2) % n;
+        let last = t == n - 2;
+        let half = max.min(tmp.len());
+        let (t0, t1) = tmp.split_at_mut(half);
+        let (cur, prev) = if t % 2 == 0 { (t0, &*t1) } else { (t1, &*t0) };
+        let step = t as u32;
+        // Source of this step's send, target of its receive (pre-filled with own input).
+        match (&mut inplace, &mut io_out) {
+            (Some(buf), _) => {
+                if t == 0 && last {
+                    // n == 2: send input segment r-1, receive into segment r of the same buffer.
+                    let (send, recv) = split_two(buf, segs[s_idx].clone(), segs[r_idx].clone());
+                    run.step(
+                        step,
+                        Some((right, send)),
+                        Some((left, reduce_sink(recv, dtype, op))),
+                    )?;
+                } else if last {
+                    let send = &prev[..segs[s_idx].len()];
+                    let recv = &mut buf[segs[r_idx].clone()];
+                    run.step(
+                        step,
+                        Some((right, send)),
+                        Some((left, reduce_sink(recv, dtype, op))),
+                    )?;
+                } else {
+                    let recv = &mut cur[..segs[r_idx].len()];
+                    recv.copy_from_slice(&buf[segs[r_idx].clone()]);
+                    let send: &[u8] = if t == 0 {
+                        &buf[segs[s_idx].clone()]
+                    } else {
+                        &prev[..segs[s_idx].len()]
+                    };
+                    run.step(
+                        step,
+                        Some((right, send)),
+                        Some((left, reduce_sink(recv, dtype, op))),
+                    )?;
+                }
+            }
+            (None, Some(out)) => {
+                let input = io_in.expect("out-of-place input");
+                let send: &[u8] = if t == 0 {
+                    &input[segs[s_idx].clone()]
+                } else {
+                    &prev[..segs[s_idx].len()]
+                };
+                let recv: &mut [u8] = if last {
+                    out
+                } else {
+                    &mut cur[..segs[r_idx].len()]
+                };
+                recv.copy_from_slice(&input[segs[r_idx].clone()]);
+                run.step(
+                    step,
+                    Some((right, send)),
+                    Some((left, reduce_sink(recv, dtype, op))),
+                )?;
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    if n == 1 {
+        if let (Some(input), Some(out)) = (io_in, io_out) {
+            out.copy_from_slice(&input[segs[0].clone()]);
+        }
+    }
+    Ok(())
+}
+
+fn reduce_sink(dst: &mut [u8], dtype: DType, op: ReduceOp) -> Sink<'_> {
+    Sink::Reduce {
+        dst,
+        dtype,
+        op,
+        order: Order::SrcFirst,
+    }
+}
+
+/// Buffers of a reduce-scatter.
+pub enum RsIo<'a> {
+    /// Separate input (all segments) and output (this rank's segment).
+    Out {
+        /// Every rank's contribution, `segs`-shaped.
+        input: &'a [u8],
+        /// This rank's result.
+        output: &'a mut [u8],
+    },
+    /// One buffer; the result lands in segment `rank`.
+    InPlace(&'a mut [u8]),
+}

@@ -1,0 +1,751 @@
+//! Public collective operations: argument checks, in-place/out-of-place handling, and the
+//! dispatch to an algorithm.
+//!
+//! Conventions (NCCL's): counts are in elements; out-of-place forms never modify the input;
+//! on non-root ranks the root-only buffers of rooted operations may be empty.
+
+use crate::algo::{basic, count_segments, even_segments, ring, tree, Algo};
+use crate::comm::{Collective, Communicator};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce::finalize_mean;
+
+fn bytes<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+impl Communicator {
+    fn bad(&self, op: &'static str, msg: String) -> Error {
+        Error::invalid(op, 0, msg)
+    }
+
+    fn check_len(&self, op: &'static str, what: &str, buf: &[u8], dtype: DType) -> Result<usize> {
+        if buf.len() % dtype.size() != 0 {
+            return Err(self.bad(
+                op,
+                format!(
+                    "{what} is {} bytes, not a whole number of {dtype} elements ({} bytes each)",
+                    buf.len(),
+                    dtype.size()
+                ),
+            ));
+        }
+        Ok(buf.len() / dtype.size())
+    }
+
+    // ===== all-reduce =====
+
+    /// All-reduce `send` into `recv` (same length) with `op`.
+    pub fn all_reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_bytes(Some(bytes(send)), bytes_mut(recv), T::DTYPE, op)
+    }
+
+    /// All-reduce `buf` in place.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_bytes(None, bytes_mut(buf), T::DTYPE, op)
+    }
+
+    /// Byte-level all-reduce: `send = None` means in place on `recv`.
+    pub fn all_reduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let count = self.check_len(OP, "recv buffer", recv, dtype)?;
+        if let Some(s) = send {
+            if s.len() != recv.len() {
+                return Err(self.bad(
+                    OP,
+                    format!(
+                        "send buffer has {} elements but recv buffer has {count}",
+                        s.len() / dtype.size()
+                    ),
+                ));
+            }
+        }
+        let n = self.world_size();
+        self.collective(
+            Collective::AllReduce,
+            Some(dtype),
+            Some(op),
+            None,
+            count,
+            recv.len(),
+            |run, algo| {
+                if let Some(s) = send {
+                    recv.copy_from_slice(s);
+                }
+                if n > 1 {
+                    match algo {
+                        Algo::RecursiveDoubling => basic::all_reduce_rd(run, recv, dtype, op)?,
+                        _ => ring::all_reduce(
+                            run,
+                            recv,
+                            &even_segments(count, n, dtype.size()),
+                            dtype,
+                            op,
+                        )?,
+                    }
+                }
+                if op == ReduceOp::Mean {
+                    finalize_mean(dtype, recv, n);
+                }
+                Ok(())
+            },
+        )
+    }
+
+    // ===== all-gather =====
+
+    /// All-gather: `recv` (length `world_size * send.len()`) receives every rank's `send` in rank
+    /// order.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let counts = vec![send.len(); self.world_size()];
+        self.all_gather_v_bytes(Some(bytes(send)), bytes_mut(recv), &counts, T::DTYPE)
+    }
+
+    /// All-gather in place: this rank's contribution is already at
+    /// `buf[rank * n .. (rank + 1) * n]` where `n = buf.len() / world_size`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let w = self.world_size();
+        if buf.len() % w != 0 {
+            return Err(self.bad(
+                "all_gather",
+                format!(
+                    "buffer of {} elements does not divide into {w} equal parts",
+                    buf.len()
+                ),
+            ));
+        }
+        let counts = vec![buf.len() / w; w];
+        self.all_gather_v_bytes(None, bytes_mut(buf), &counts, T::DTYPE)
+    }
+
+    /// All-gather with per-rank counts: rank `p` contributes `counts[p]` elements, placed
+    /// consecutively in rank order in `recv`.
+    pub fn all_gather_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.all_gather_v_bytes(Some(bytes(send)), bytes_mut(recv), counts, T::DTYPE)
+    }
+
+    /// Byte-level all-gather(v): `send = None` means in place (own part already in `recv`).
+    pub fn all_gather_v_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        const OP: &str = "all_gather";
+        let n = self.world_size();
+        if counts.len() != n {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "counts has {} entries, expected one per rank ({n})",
+                    counts.len()
+                ),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        let rcount = self.check_len(OP, "recv buffer", recv, dtype)?;
+        if rcount != total {
+            return Err(self.bad(
+                OP,
+                format!("recv buffer has {rcount} elements, expected the sum of counts ({total})"),
+            ));
+        }
+        let me = self.rank();
+        if let Some(s) = send {
+            let sc = self.check_len(OP, "send buffer", s, dtype)?;
+            if sc != counts[me] {
+                return Err(self.bad(
+                    OP,
+                    format!(
+                        "send buffer has {sc} elements but counts[{me}] is {}",
+                        counts[me]
+                    ),
+                ));
+            }
+        }
+        let uniform = counts.iter().all(|&c| c == counts[0]);
+        let fp_count = if uniform { counts[0] } else { total };
+        let segs = count_segments(counts, dtype.size());
+        self.collective(
+            Collective::AllGather,
+            Some(dtype),
+            None,
+            None,
+            fp_count,
+            recv.len(),
+            |run, _| {
+                if let Some(s) = send {
+                    recv[segs[me].clone()].copy_from_slice(s);
+                }
+                if n > 1 {
+                    ring::all_gather_in_place(run, recv, &segs, 0)?;
+                }
+                Ok(())
+            },
+        )
+    }
+
+    // ===== reduce-scatter =====
+
+    /// Reduce-scatter: `send` holds `world_size` equal blocks; `recv` (one block) receives the
+    /// reduction of block `rank` over all ranks. `send.len()` must be `world_size * recv.len()`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts = vec![recv.len(); self.world_size()];
+        if send.len() != recv.len() * self.world_size() {
+            return Err(self.bad(
+                "reduce_scatter",
+                format!(
+                    "send buffer has {} elements, expected world_size ({}) x recv count ({}) = {}; use reduce_scatter_v for uneven blocks",
+                    send.len(),
+                    self.world_size(),
+                    recv.len(),
+                    recv.len() * self.world_size()
+                ),
+            ));
+        }
+        self.reduce_scatter_v_bytes(Some(bytes(send)), bytes_mut(recv), &counts, T::DTYPE, op)
+    }
+
+    /// Reduce-scatter in place: the result lands in `buf[rank * n .. (rank + 1) * n]`
+    /// (`n = buf.len() / world_size`); the other blocks are left unchanged.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let w = self.world_size();
+        if buf.len() % w != 0 {
+            return Err(self.bad(
+                "reduce_scatter",
+                format!(
+                    "buffer of {} elements does not divide into {w} equal blocks",
+                    buf.len()
+                ),
+            ));
+        }
+        let counts = vec![buf.len() / w; w];
+        self.reduce_scatter_v_bytes(None, bytes_mut(buf), &counts, T::DTYPE, op)
+    }
+
+    /// Reduce-scatter with per-rank block sizes: rank `p` receives the `counts[p]` elements
+    /// starting at `sum(counts[..p])`.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_v_bytes(Some(bytes(send)), bytes_mut(recv), counts, T::DTYPE, op)
+    }
+
+    /// Byte-level reduce-scatter(v). With `send = None`, `recv` is the whole buffer and the
+    /// result lands in block `rank` of it.
+    pub fn reduce_scatter_v_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        let n = self.world_size();
+        let me = self.rank();
+        if counts.len() != n {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "counts has {} entries, expected one per rank ({n})",
+                    counts.len()
+                ),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        match send {
+            Some(s) => {
+                let sc = self.check_len(OP, "send buffer", s, dtype)?;
+                if sc != total {
+                    return Err(self.bad(
+                        OP,
+                        format!(
+                            "send buffer has {sc} elements, expected the sum of counts ({total})"
+                        ),
+                    ));
+                }
+                let rc = self.check_len(OP, "recv buffer", recv, dtype)?;
+                if rc != counts[me] {
+                    return Err(self.bad(
+                        OP,
+                        format!(
+                            "recv buffer has {rc} elements but counts[{me}] is {}",
+                            counts[me]
+                        ),
+                    ));
+                }
+            }
+            None => {
+                let rc = self.check_len(OP, "buffer", recv, dtype)?;
+                if rc != total {
+                    return Err(self.bad(
+                        OP,
+                        format!("buffer has {rc} elements, expected the sum of counts ({total})"),
+                    ));
+                }
+            }
+        }
+        let uniform = counts.iter().all(|&c| c == counts[0]);
+        let fp_count = if uniform { counts[0] } else { total };
+        let segs = count_segments(counts, dtype.size());
+        let nbytes = total * dtype.size();
+        self.collective(
+            Collective::ReduceScatter,
+            Some(dtype),
+            Some(op),
+            None,
+            fp_count,
+            nbytes,
+            |run, _| {
+                let my_seg = segs[me].clone();
+                match send {
+                    Some(s) => {
+                        if n == 1 {
+                            recv.copy_from_slice(s);
+                        } else {
+                            ring::reduce_scatter(
+                                run,
+                                ring::RsIo::Out {
+                                    input: s,
+                                    output: &mut *recv,
+                                },
+                                &segs,
+                                dtype,
+                                op,
+                            )?;
+                        }
+                        if op == ReduceOp::Mean {
+                            finalize_mean(dtype, recv, n);
+                        }
+                    }
+                    None => {
+                        if n > 1 {
+                            ring::reduce_scatter(
+                                run,
+                                ring::RsIo::InPlace(&mut *recv),
+                                &segs,
+                                dtype,
+                                op,
+                            )?;
+                        }
+                        if op == ReduceOp::Mean {
+                            finalize_mean(dtype, &mut recv[my_seg], n);
+                        }
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
+
+    // ===== broadcast / reduce =====
+
+    /// Broadcast `buf` from `root` to every rank, in place.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_bytes(bytes_mut(buf), T::DTYPE, root)
+    }
+
+    /// Byte-level broadcast.
+    pub fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        let count = self.check_len("broadcast", "buffer", buf, dtype)?;
+        let n = self.world_size();
+        self.collective(
+            Collective::Broadcast,
+            Some(dtype),
+            None,
+            Some(root),
+            count,
+            buf.len(),
+            |run, algo| {
+                if n == 1 {
+                    return Ok(());
+                }
+                match algo {
+                    Algo::Chain => tree::broadcast_chain(run, buf, root),
+                    _ => tree::broadcast_tree(run, buf, root),
+                }
+            },
+        )
+    }
+
+    /// Reduce `send` over all ranks into `recv` on `root` (`recv` is ignored elsewhere and may
+    /// be empty there).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.reduce_bytes(Some(bytes(send)), bytes_mut(recv), T::DTYPE, op, root)
+    }
+
+    /// Reduce in place: on `root`, `buf` receives the result; elsewhere it is the input and is
+    /// not modified.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.reduce_bytes(None, bytes_mut(buf), T::DTYPE, op, root)
+    }
+
+    /// Byte-level reduce. `send = None` means in place on `recv`.
+    pub fn reduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        const OP: &str = "reduce";
+        self.check_root(OP, root)?;
+        let me = self.rank();
+        let input_len = send.map_or(recv.len(), |s| s.len());
+        let count = input_len / dtype.size();
+        if let Some(s) = send {
+            self.check_len(OP, "send buffer", s, dtype)?;
+            if me == root && recv.len() != s.len() {
+                return Err(self.bad(
+                    OP,
+                    format!(
+                        "root's recv buffer has {} elements, send buffer has {count}",
+                        recv.len() / dtype.size()
+                    ),
+                ));
+            }
+        } else {
+            self.check_len(OP, "buffer", recv, dtype)?;
+        }
+        let n = self.world_size();
+        self.collective(
+            Collective::Reduce,
+            Some(dtype),
+            Some(op),
+            Some(root),
+            count,
+            input_len,
+            |run, algo| {
+                match algo {
+                    Algo::Chain => {
+                        // The chain never writes its input; in place on a non-root the output is unused.
+                        let input: Vec<u8>;
+                        let (inp, out): (&[u8], &mut [u8]) = match send {
+                            Some(s) => (s, if me == root { recv } else { &mut [] }),
+                            None if me == root => {
+                                input = recv.to_vec();
+                                (&input, recv)
+                            }
+                            None => (&*recv, &mut []),
+                        };
+                        if me == root {
+                            tree::reduce_chain(run, inp, out, dtype, op, root)?;
+                        } else {
+                            tree::reduce_chain(run, inp, &mut [], dtype, op, root)?;
+                        }
+                    }
+                    _ => {
+                        // Binomial tree: accumulate in the root's output, or in scratch elsewhere.
+                        if me == root {
+                            if let Some(s) = send {
+                                recv.copy_from_slice(s);
+                            }
+                            if n > 1 {
+                                tree::reduce_tree(run, recv, dtype, op, root)?;
+                            }
+                        } else {
+                            let mut acc = send.unwrap_or(recv).to_vec();
+                            tree::reduce_tree(run, &mut acc, dtype, op, root)?;
+                        }
+                    }
+                }
+                if me == root && op == ReduceOp::Mean {
+                    finalize_mean(dtype, recv, n);
+                }
+                Ok(())
+            },
+        )
+    }
+
+    // ===== gather / scatter =====
+
+    /// Gather every rank's `send` into `recv` on `root` (length `world_size * send.len()`;
+    /// ignored elsewhere).
+    pub fn gather<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let counts = vec![send.len(); self.world_size()];
+        self.gather_v_bytes(bytes(send), bytes_mut(recv), &counts, T::DTYPE, root)
+    }
+
+    /// Gather with per-rank counts.
+    pub fn gather_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        self.gather_v_bytes(bytes(send), bytes_mut(recv), counts, T::DTYPE, root)
+    }
+
+    /// Byte-level gather(v).
+    pub fn gather_v_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        const OP: &str = "gather";
+        self.check_root(OP, root)?;
+        let n = self.world_size();
+        let me = self.rank();
+        if counts.len() != n {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "counts has {} entries, expected one per rank ({n})",
+                    counts.len()
+                ),
+            ));
+        }
+        let sc = self.check_len(OP, "send buffer", send, dtype)?;
+        if sc != counts[me] {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "send buffer has {sc} elements but counts[{me}] is {}",
+                    counts[me]
+                ),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        if me == root && recv.len() != total * dtype.size() {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "root's recv buffer has {} elements, expected the sum of counts ({total})",
+                    recv.len() / dtype.size()
+                ),
+            ));
+        }
+        let uniform = counts.iter().all(|&c| c == counts[0]);
+        let segs = count_segments(counts, dtype.size());
+        self.collective(
+            Collective::Gather,
+            Some(dtype),
+            None,
+            Some(root),
+            if uniform { sc } else { total },
+            send.len(),
+            |run, _| basic::gather_linear(run, send, recv, &segs, root),
+        )
+    }
+
+    /// Scatter: the root's `send` (length `world_size * recv.len()`) is split in rank order;
+    /// every rank receives its block in `recv`. `send` is ignored on other ranks.
+    pub fn scatter<T: Element>(&self, send: &[T], recv: &mut [T], root: usize) -> Result<()> {
+        let counts = vec![recv.len(); self.world_size()];
+        self.scatter_v_bytes(bytes(send), bytes_mut(recv), &counts, T::DTYPE, root)
+    }
+
+    /// Scatter with per-rank counts.
+    pub fn scatter_v<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        self.scatter_v_bytes(bytes(send), bytes_mut(recv), counts, T::DTYPE, root)
+    }
+
+    /// Byte-level scatter(v).
+    pub fn scatter_v_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        const OP: &str = "scatter";
+        self.check_root(OP, root)?;
+        let n = self.world_size();
+        let me = self.rank();
+        if counts.len() != n {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "counts has {} entries, expected one per rank ({n})",
+                    counts.len()
+                ),
+            ));
+        }
+        let rc = self.check_len(OP, "recv buffer", recv, dtype)?;
+        if rc != counts[me] {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "recv buffer has {rc} elements but counts[{me}] is {}",
+                    counts[me]
+                ),
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        if me == root && send.len() != total * dtype.size() {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "root's send buffer has {} elements, expected the sum of counts ({total})",
+                    send.len() / dtype.size()
+                ),
+            ));
+        }
+        let uniform = counts.iter().all(|&c| c == counts[0]);
+        let segs = count_segments(counts, dtype.size());
+        self.collective(
+            Collective::Scatter,
+            Some(dtype),
+            None,
+            Some(root),
+            if uniform { rc } else { total },
+            recv.len(),
+            |run, _| basic::scatter_linear(run, send, recv, &segs, root),
+        )
+    }
+
+    // ===== all-to-all =====
+
+    /// All-to-all: `send` and `recv` hold `world_size` equal blocks; block `p` of `send` goes
+    /// to rank `p`, and block `p` of `recv` comes from rank `p`.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let w = self.world_size();
+        if send.len() % w != 0 || recv.len() != send.len() {
+            return Err(self.bad(
+                "all_to_all",
+                format!(
+                    "send ({}) and recv ({}) must have the same number of elements, divisible by world_size ({w}); use all_to_all_v for uneven blocks",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let counts = vec![send.len() / w; w];
+        self.all_to_all_v_bytes(bytes(send), &counts, bytes_mut(recv), &counts, T::DTYPE)
+    }
+
+    /// All-to-all with per-peer counts: `send_counts[p]` elements go to rank `p`,
+    /// `recv_counts[p]` elements come from rank `p` (which must match what `p` sends).
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v_bytes(
+            bytes(send),
+            send_counts,
+            bytes_mut(recv),
+            recv_counts,
+            T::DTYPE,
+        )
+    }
+
+    /// Byte-level all-to-all(v).
+    pub fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        const OP: &str = "all_to_all";
+        let n = self.world_size();
+        let me = self.rank();
+        if send_counts.len() != n || recv_counts.len() != n {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "send_counts ({}) and recv_counts ({}) need one entry per rank ({n})",
+                    send_counts.len(),
+                    recv_counts.len()
+                ),
+            ));
+        }
+        let sc = self.check_len(OP, "send buffer", send, dtype)?;
+        let rc = self.check_len(OP, "recv buffer", recv, dtype)?;
+        if sc != send_counts.iter().sum::<usize>() || rc != recv_counts.iter().sum::<usize>() {
+            return Err(self.bad(OP, format!("send buffer ({sc}) / recv buffer ({rc}) do not match the sums of send_counts / recv_counts")));
+        }
+        if send_counts[me] != recv_counts[me] {
+            return Err(self.bad(
+                OP,
+                format!(
+                    "send_counts[{me}] = {} but recv_counts[{me}] = {} (the block to self)",
+                    send_counts[me], recv_counts[me]
+                ),
+            ));
+        }
+        let uniform = send_counts
+            .iter()
+            .chain(recv_counts)
+            .all(|&c| c == send_counts[0]);
+        let ss = count_segments(send_counts, dtype.size());
+        let rs = count_segments(recv_counts, dtype.size());
+        self.collective(
+            Collective::AllToAll,
+            Some(dtype),
+            None,
+            None,
+            if uniform { sc } else { 0 },
+            send.len(),
+            |run, _| basic::all_to_all_pairwise(run, send, &ss, recv, &rs),
+        )
+    }
+
+    // ===== barrier =====
+
+    /// Block until every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        let n = self.world_size();
+        self.collective(Collective::Barrier, None, None, None, 0, 0, |run, _| {
+            if n > 1 {
+                basic::barrier_dissemination(run)
+            } else {
+                Ok(())
+            }
+        })
+    }
+}

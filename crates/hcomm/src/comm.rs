@@ -1,0 +1,970 @@
+//! The communicator: a group of ranks, their links, and the collectives and point-to-point
+//! operations over them.
+
+use crate::algo::{Algo, Run};
+use crate::bootstrap::store::{StoreClient, StoreServer};
+use crate::bootstrap::{self, PeerInfo};
+use crate::config::{BootstrapConfig, LaunchSource};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{Error, OpContext, Result};
+use crate::transport::frame::{Header, Kind};
+use crate::transport::tcp::{RecvOp, SendOp, TcpLinks};
+use crate::transport::wait::WaitPolicy;
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Collective {
+    /// All-reduce.
+    AllReduce = 1,
+    /// All-gather (also the v-variant).
+    AllGather = 2,
+    /// Reduce-scatter (also the v-variant).
+    ReduceScatter = 3,
+    /// Broadcast.
+    Broadcast = 4,
+    /// Reduce.
+    Reduce = 5,
+    /// Gather.
+    Gather = 6,
+    /// Scatter.
+    Scatter = 7,
+    /// All-to-all (also the v-variant).
+    AllToAll = 8,
+    /// Barrier.
+    Barrier = 9,
+}
+
+impl Collective {
+    /// Every collective.
+    pub const ALL: [Collective; 9] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::Gather,
+        Collective::Scatter,
+        Collective::AllToAll,
+        Collective::Barrier,
+    ];
+
+    /// snake_case name (`all_reduce`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+            Collective::Gather => "gather",
+            Collective::Scatter => "scatter",
+            Collective::AllToAll => "all_to_all",
+            Collective::Barrier => "barrier",
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Collective> {
+        Collective::ALL.into_iter().find(|x| *x as u8 == c)
+    }
+
+    /// Parse `allreduce`, `all_reduce`, `AllReduce`, …
+    pub fn parse(s: &str) -> Option<Collective> {
+        let k: String = s
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .collect::<String>()
+            .to_ascii_lowercase();
+        Collective::ALL.into_iter().find(|c| {
+            c.name().replace('_', "") == k || (k == "bcast" && *c == Collective::Broadcast)
+        })
+    }
+
+    /// The algorithms this collective can run with (first = default family).
+    pub fn algorithms(self) -> &'static [Algo] {
+        match self {
+            Collective::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling],
+            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring],
+            Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain],
+            Collective::Gather | Collective::Scatter => &[Algo::Linear],
+            Collective::AllToAll => &[Algo::Pairwise],
+            Collective::Barrier => &[Algo::Dissemination],
+        }
+    }
+}
+
+/// Human-readable description of a frame's call, for mismatch errors.
+pub(crate) fn describe_frame(h: &Header) -> String {
+    match h.kind {
+        Kind::Collective => {
+            let name = Collective::from_code(h.coll)
+                .map(|c| c.name())
+                .unwrap_or("unknown collective");
+            let mut s = format!("{name}(count={}", h.count);
+            if let Some(d) = DType::from_code(h.dtype) {
+                s += &format!(", dtype={d}");
+            }
+            if let Some(o) = ReduceOp::from_code(h.redop) {
+                s += &format!(", op={o}");
+            }
+            if h.root != u32::MAX {
+                s += &format!(", root={}", h.root);
+            }
+            s + &format!(") at seq {}", h.seq)
+        }
+        Kind::P2p => format!("send(tag={}, {} bytes)", h.tag, h.count),
+        k => format!("{k:?}(tag={})", h.tag),
+    }
+}
+
+/// Size thresholds of the algorithm selector (bytes per rank).
+#[derive(Clone, Copy, Debug)]
+pub struct Thresholds {
+    /// All-reduce: recursive doubling up to this size, ring above.
+    pub allreduce_rd_max: usize,
+    /// Broadcast / reduce: binomial tree up to this size, pipelined chain above.
+    pub tree_max: usize,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            allreduce_rd_max: 64 << 10,
+            tree_max: 64 << 10,
+        }
+    }
+}
+
+/// Parse `HCOMM_ALGO`: either one algorithm for every collective that has it (`ring`), or a
+/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`).
+pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
+    let mut map = HashMap::new();
+    let spec = spec.trim();
+    if spec.is_empty() {
+        return Ok(map);
+    }
+    if !spec.contains('=') {
+        let algo: Algo = spec
+            .parse()
+            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
+        for c in Collective::ALL {
+            if c.algorithms().contains(&algo) {
+                map.insert(c, algo);
+            }
+        }
+        if map.is_empty() && algo != Algo::Auto {
+            return Err(Error::Config(format!(
+                "HCOMM_ALGO={spec}: no collective has that algorithm"
+            )));
+        }
+        return Ok(map);
+    }
+    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        let (c, a) = part.split_once('=').ok_or_else(|| {
+            Error::Config(format!("HCOMM_ALGO: '{part}' is not collective=algorithm"))
+        })?;
+        let coll = Collective::parse(c)
+            .ok_or_else(|| Error::Config(format!("HCOMM_ALGO: unknown collective '{c}'")))?;
+        let algo: Algo = a
+            .parse()
+            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
+        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
+            return Err(Error::Config(format!(
+                "HCOMM_ALGO: {} cannot run with '{algo}' (choices: {})",
+                coll.name(),
+                coll.algorithms()
+                    .iter()
+                    .map(|a| a.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        map.insert(coll, algo);
+    }
+    Ok(map)
+}
+
+struct Inner {
+    links: TcpLinks,
+    seq: u64,
+    poisoned: Option<String>,
+    algo: HashMap<Collective, Algo>,
+    logged: HashSet<(Collective, Algo)>,
+    splits: u64,
+    groups: HashMap<Vec<usize>, u64>,
+    open_conns: HashSet<(usize, u32)>,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// All methods take `&self`; operations on one communicator are serialised (a second thread
+/// calling in waits for the first), so results are never interleaved. Use one communicator per
+/// thread ([`Communicator::split`], [`Communicator::new_group`]) for independent progress.
+pub struct Communicator {
+    rank: usize,
+    size: usize,
+    local_rank: usize,
+    local_size: usize,
+    host_id: String,
+    hosts: Vec<String>,
+    comm_id: String,
+    store_addr: String,
+    timeout: Mutex<Duration>,
+    thresholds: Thresholds,
+    policy: WaitPolicy,
+    aborted: Arc<AtomicBool>,
+    inner: Mutex<Inner>,
+    /// Keeps rank 0's store alive as long as any communicator of the job on this rank is.
+    _server: Option<Arc<StoreServer>>,
+}
+
+fn hash64(s: &str) -> u64 {
+    // FNV-1a: stable across processes (std's hasher is randomised).
+    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(level) = std::env::var("HCOMM_DEBUG") {
+            let filter = tracing_subscriber::EnvFilter::try_new(format!("hcomm={level}"))
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("hcomm=info"));
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+    });
+}
+
+impl Communicator {
+    /// Join the job described by the environment (`HCOMM_*`, torchrun, Open MPI, MPICH/PMI or
+    /// Slurm variables; see `docs/configuration.md`).
+    pub fn from_env() -> Result<Communicator> {
+        Self::from_config(&BootstrapConfig::from_env()?)
+    }
+
+    /// Join the job described by a rank table (`hcom_config.json`) as `rank`.
+    pub fn from_rank_table(path: impl AsRef<Path>, rank: usize) -> Result<Communicator> {
+        Self::from_config(&BootstrapConfig::from_rank_table(path.as_ref(), rank)?)
+    }
+
+    /// Join a job: rank 0 hosts the rendezvous store on the master address, every rank
+    /// publishes its listening address, and the world communicator is built.
+    pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
+        init_logging();
+        let start = Instant::now();
+        let master = format!("{}:{}", cfg.master_addr, cfg.master_port);
+        let server = if cfg.rank == 0 {
+            let addr = bootstrap::resolve(&cfg.master_addr, cfg.master_port)
+                .map_err(|e| Error::Config(format!("master address {master}: {e}")))?;
+            let srv = StoreServer::start(addr).map_err(|e| {
+                Error::Config(format!(
+                    "rank 0 cannot listen on the master address {addr}: {e}{}",
+                    if e.kind() == std::io::ErrorKind::AddrInUse {
+                        " (another job on this port? choose another HCOMM_MASTER_PORT)"
+                    } else {
+                        " (HCOMM_MASTER_ADDR must be an address of rank 0's host)"
+                    }
+                ))
+            })?;
+            Some(Arc::new(srv))
+        } else {
+            None
+        };
+        let store_addr = match &server {
+            Some(s) => s.addr().to_string(),
+            None => master.clone(),
+        };
+        let store = StoreClient::connect(&store_addr, cfg.timeout)
+            .map_err(|e| Error::Config(format!("rank {}: {e}", cfg.rank)))?;
+        let ip = bootstrap::select_listen_ip(
+            cfg.socket_ifname.as_deref(),
+            cfg.listen_host.as_deref(),
+            &cfg.master_addr,
+            cfg.master_port,
+        )?;
+        let host_id = cfg
+            .host_id
+            .clone()
+            .unwrap_or_else(bootstrap::default_host_id);
+        let algo = match std::env::var("HCOMM_ALGO") {
+            Ok(s) => parse_algo_overrides(&s)?,
+            Err(_) => HashMap::new(),
+        };
+        let comm = Self::build(BuildArgs {
+            comm_id: "world".into(),
+            rank: cfg.rank,
+            size: cfg.world_size,
+            store,
+            store_addr,
+            server,
+            ip,
+            host_id,
+            timeout: cfg.timeout,
+            local_size_hint: cfg.local_world_size,
+            algo,
+        })?;
+        tracing::info!(
+            rank = comm.rank,
+            size = comm.size,
+            local_rank = comm.local_rank,
+            local_size = comm.local_size,
+            source = %cfg.source,
+            "hcomm communicator ready in {:?}",
+            start.elapsed()
+        );
+        let _ = LaunchSource::Hcomm;
+        Ok(comm)
+    }
+
+    fn build(a: BuildArgs) -> Result<Communicator> {
+        let BuildArgs {
+            comm_id,
+            rank,
+            size,
+            mut store,
+            store_addr,
+            server,
+            ip,
+            host_id,
+            timeout,
+            local_size_hint,
+            algo,
+        } = a;
+        let listener = TcpLinks::listen(ip)
+            .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?;
+        let addr: SocketAddr = listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .ok_or_else(|| Error::Config("listener has no address".into()))?;
+        let me = PeerInfo {
+            addr,
+            host_id: host_id.clone(),
+        };
+        let peers = bootstrap::exchange_peer_info(&mut store, &comm_id, rank, size, &me, timeout)?;
+        let hosts: Vec<String> = peers.iter().map(|p| p.host_id.clone()).collect();
+        let local: Vec<usize> = (0..size).filter(|&r| hosts[r] == host_id).collect();
+        let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
+        let local_size = local
+            .len()
+            .max(local_size_hint.unwrap_or(0).min(size))
+            .max(1);
+        let policy = WaitPolicy::for_local_ranks(local_size);
+        let links = TcpLinks::new(
+            rank,
+            listener,
+            peers.iter().map(|p| p.addr).collect(),
+            hash64(&comm_id),
+            policy,
+        );
+        drop(store);
+        Ok(Communicator {
+            rank,
+            size,
+            local_rank,
+            local_size,
+            host_id,
+            hosts,
+            comm_id,
+            store_addr,
+            timeout: Mutex::new(timeout),
+            thresholds: Thresholds::default(),
+            policy,
+            aborted: Arc::new(AtomicBool::new(false)),
+            inner: Mutex::new(Inner {
+                links,
+                seq: 0,
+                poisoned: None,
+                algo,
+                logged: HashSet::new(),
+                splits: 0,
+                groups: HashMap::new(),
+                open_conns: HashSet::new(),
+            }),
+            _server: server,
+        })
+    }
+
+    /// This rank, `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's index among the ranks on its host.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    /// Number of ranks on this rank's host.
+    pub fn local_world_size(&self) -> usize {
+        self.local_size
+    }
+
+    /// This rank's host identity (ranks with the same id share a host).
+    pub fn host_id(&self) -> &str {
+        &self.host_id
+    }
+
+    /// Host identity of every rank.
+    pub fn host_ids(&self) -> &[String] {
+        &self.hosts
+    }
+
+    /// The communicator's id (unique within the job).
+    pub fn id(&self) -> &str {
+        &self.comm_id
+    }
+
+    /// The deadline applied to every blocking call.
+    pub fn timeout(&self) -> Duration {
+        *self.timeout.lock().unwrap()
+    }
+
+    /// Change the deadline applied to every later blocking call.
+    pub fn set_timeout(&self, d: Duration) {
+        *self.timeout.lock().unwrap() = d;
+    }
+
+    /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice).
+    pub fn set_algorithm(&self, coll: Collective, algo: Algo) -> Result<()> {
+        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
+            return Err(Error::invalid(
+                "set_algorithm",
+                0,
+                format!("{} cannot run with '{algo}'", coll.name()),
+            ));
+        }
+        self.inner.lock().unwrap().algo.insert(coll, algo);
+        Ok(())
+    }
+
+    /// Abort: every operation in flight and every later one fails with [`Error::Aborted`].
+    /// Safe to call from another thread.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    /// Number of open TCP links (both directions), for resource accounting.
+    pub fn open_links(&self) -> usize {
+        self.inner.lock().unwrap().links.open_links()
+    }
+
+    // ----- plumbing shared by every operation -----
+
+    fn lock(&self, op: &'static str) -> Result<(MutexGuard<'_, Inner>, OpContext)> {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let ctx = OpContext { op, seq: inner.seq };
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(Error::Aborted { ctx });
+        }
+        if let Some(first) = &inner.poisoned {
+            return Err(Error::Poisoned {
+                ctx,
+                first: first.clone(),
+            });
+        }
+        Ok((inner, ctx))
+    }
+
+    fn finish<T>(inner: &mut Inner, r: Result<T>) -> Result<T> {
+        inner.seq += 1;
+        if let Err(e) = &r {
+            if e.is_fatal() && inner.poisoned.is_none() {
+                inner.poisoned = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize) -> Algo {
+        let forced = inner.algo.get(&coll).copied().unwrap_or(Algo::Auto);
+        let algo = if forced != Algo::Auto {
+            forced
+        } else {
+            match coll {
+                Collective::AllReduce if bytes <= self.thresholds.allreduce_rd_max => {
+                    Algo::RecursiveDoubling
+                }
+                Collective::AllReduce => Algo::Ring,
+                Collective::Broadcast | Collective::Reduce
+                    if bytes <= self.thresholds.tree_max || self.size <= 2 =>
+                {
+                    Algo::Tree
+                }
+                Collective::Broadcast | Collective::Reduce => Algo::Chain,
+                c => c.algorithms()[0],
+            }
+        };
+        if inner.logged.insert((coll, algo)) {
+            tracing::info!(
+                rank = self.rank,
+                "{} of {bytes} bytes on {} ranks: algorithm {algo}{}",
+                coll.name(),
+                self.size,
+                if forced != Algo::Auto {
+                    " (forced)"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            tracing::debug!(
+                rank = self.rank,
+                "{} of {bytes} bytes: algorithm {algo}",
+                coll.name()
+            );
+        }
+        algo
+    }
+
+    fn fingerprint(
+        seq: u64,
+        coll: Collective,
+        dtype: Option<DType>,
+        op: Option<ReduceOp>,
+        root: Option<usize>,
+        count: usize,
+    ) -> Header {
+        Header {
+            kind: Kind::Collective,
+            dtype: dtype.map_or(0, |d| d as u8),
+            coll: coll as u8,
+            redop: op.map_or(0, |o| o as u8),
+            root: root.map_or(u32::MAX, |r| r as u32),
+            tag: 0,
+            seq,
+            count: count as u64,
+            len: 0,
+        }
+    }
+
+    /// Run `body` as collective `coll`: lock, validate nothing else, build the run context,
+    /// poison on failure.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn collective<F>(
+        &self,
+        coll: Collective,
+        dtype: Option<DType>,
+        op: Option<ReduceOp>,
+        root: Option<usize>,
+        count: usize,
+        bytes: usize,
+        body: F,
+    ) -> Result<()>
+    where
+        F: FnOnce(&mut Run, Algo) -> Result<()>,
+    {
+        let (mut inner, ctx) = self.lock(coll.name())?;
+        let algo = self.choose(&mut inner, coll, bytes);
+        let fp = Self::fingerprint(ctx.seq, coll, dtype, op, root, count);
+        let deadline = Instant::now() + self.timeout();
+        let result = {
+            let mut run = Run {
+                links: &mut inner.links,
+                rank: self.rank,
+                size: self.size,
+                ctx,
+                fp,
+                deadline,
+            };
+            body(&mut run, algo)
+        };
+        Self::finish(&mut inner, result)
+    }
+
+    pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::invalid(
+                op,
+                self.peek_seq(),
+                format!(
+                    "root {root} is out of range for a communicator of {} ranks",
+                    self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.size {
+            return Err(Error::invalid(
+                op,
+                self.peek_seq(),
+                format!(
+                    "peer rank {peer} is out of range for a communicator of {} ranks",
+                    self.size
+                ),
+            ));
+        }
+        if peer == self.rank {
+            return Err(Error::invalid(
+                op,
+                self.peek_seq(),
+                format!("peer rank {peer} is this rank; point-to-point to self is not supported"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn peek_seq(&self) -> u64 {
+        self.inner.lock().map(|i| i.seq).unwrap_or(0)
+    }
+
+    // ----- point-to-point -----
+
+    /// Send `buf` to `peer` with `tag`. Returns once `peer` has posted the matching
+    /// [`recv`](Self::recv) and the data is handed to the transport (rendezvous semantics: two
+    /// ranks that both send to each other first deadlock until the timeout; use
+    /// [`send_recv`](Self::send_recv) to exchange). Sizes must match: a mismatch fails on both
+    /// sides.
+    pub fn send<T: Element>(&self, peer: usize, tag: u32, buf: &[T]) -> Result<()> {
+        self.send_bytes(peer, tag, bytemuck::cast_slice(buf))
+    }
+
+    /// Receive into `buf` the message `peer` sent with `tag`. Messages are matched by
+    /// (peer, tag), whatever order the sender posted them in.
+    pub fn recv<T: Element>(&self, peer: usize, tag: u32, buf: &mut [T]) -> Result<()> {
+        self.recv_bytes(peer, tag, bytemuck::cast_slice_mut(buf))
+    }
+
+    /// Send to `dst` and receive from `src` at the same time (no deadlock when two ranks
+    /// exchange).
+    pub fn send_recv<T: Element>(
+        &self,
+        dst: usize,
+        send: &[T],
+        src: usize,
+        recv: &mut [T],
+        tag: u32,
+    ) -> Result<()> {
+        self.p2p(
+            Some((dst, tag, bytemuck::cast_slice(send))),
+            Some((src, tag, bytemuck::cast_slice_mut(recv))),
+        )
+    }
+
+    /// Byte-level [`send`](Self::send).
+    pub fn send_bytes(&self, peer: usize, tag: u32, buf: &[u8]) -> Result<()> {
+        self.p2p(Some((peer, tag, buf)), None)
+    }
+
+    /// Byte-level [`recv`](Self::recv).
+    pub fn recv_bytes(&self, peer: usize, tag: u32, buf: &mut [u8]) -> Result<()> {
+        self.p2p(None, Some((peer, tag, buf)))
+    }
+
+    fn p2p(
+        &self,
+        send: Option<(usize, u32, &[u8])>,
+        recv: Option<(usize, u32, &mut [u8])>,
+    ) -> Result<()> {
+        let op = match (&send, &recv) {
+            (Some(_), Some(_)) => "send_recv",
+            (Some(_), None) => "send",
+            _ => "recv",
+        };
+        if let Some((p, _, _)) = &send {
+            self.check_peer(op, *p)?;
+        }
+        if let Some((p, _, _)) = &recv {
+            self.check_peer(op, *p)?;
+        }
+        let (mut inner, ctx) = self.lock(op)?;
+        let deadline = Instant::now() + self.timeout();
+        let result = (|| {
+            // Phase 1: announce our receive; wait for the peer's announcement of theirs.
+            let ready_hdr = recv.as_ref().map(|(_, tag, b)| Header {
+                count: b.len() as u64,
+                ..Header::new(Kind::Ready, *tag, 0)
+            });
+            let mut sends: Vec<SendOp> = Vec::new();
+            if let (Some((p, _, _)), Some(h)) = (&recv, ready_hdr) {
+                sends.push(SendOp::new(*p, h, &[]));
+            }
+            let mut recvs: Vec<RecvOp> = Vec::new();
+            if let Some((p, tag, _)) = &send {
+                recvs.push(RecvOp::control(*p, Kind::Ready, *tag));
+            }
+            inner
+                .links
+                .exchange(&ctx, &mut sends, &mut recvs, deadline)?;
+            // Phase 2: data (or an empty frame that reports the size mismatch to the receiver).
+            let mut mismatch = None;
+            let mut sends: Vec<SendOp> = Vec::new();
+            if let Some((p, tag, data)) = &send {
+                let ready = recvs[0].header().expect("complete");
+                let theirs = ready.count as usize;
+                let hdr = Header {
+                    count: data.len() as u64,
+                    ..Header::new(Kind::P2p, *tag, 0)
+                };
+                if theirs != data.len() {
+                    mismatch = Some(Error::SizeMismatch {
+                        ctx: ctx.clone(),
+                        peer: *p,
+                        tag: *tag,
+                        msg: format!(
+                            "this rank sends {} bytes, rank {p} posted a {theirs}-byte receive",
+                            data.len()
+                        ),
+                    });
+                    sends.push(SendOp::new(*p, hdr, &[]));
+                } else {
+                    sends.push(SendOp::new(
+                        *p,
+                        Header {
+                            len: data.len() as u64,
+                            ..hdr
+                        },
+                        data,
+                    ));
+                }
+            }
+            let mut recvs: Vec<RecvOp> = Vec::new();
+            if let Some((p, tag, buf)) = recv {
+                recvs.push(RecvOp::p2p(p, tag, buf));
+            }
+            inner
+                .links
+                .exchange(&ctx, &mut sends, &mut recvs, deadline)?;
+            match mismatch {
+                Some(e) => Err(e),
+                None => Ok(()),
+            }
+        })();
+        Self::finish(&mut inner, result)
+    }
+
+    /// Post a signal to `peer` (does not wait). Signals with the same (peer, tag) are counted:
+    /// each [`wait_signal`](Self::wait_signal) consumes one.
+    pub fn signal(&self, peer: usize, tag: u32) -> Result<()> {
+        self.control_send("signal", peer, Kind::Signal, tag)
+    }
+
+    /// Wait for a signal from `peer` with `tag`.
+    pub fn wait_signal(&self, peer: usize, tag: u32) -> Result<()> {
+        self.control_recv("wait_signal", peer, Kind::Signal, tag)
+    }
+
+    fn control_send(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
+        self.check_peer(op, peer)?;
+        let (mut inner, ctx) = self.lock(op)?;
+        let deadline = Instant::now() + self.timeout();
+        let mut sends = vec![SendOp::new(peer, Header::new(kind, tag, 0), &[])];
+        let r = inner.links.exchange(&ctx, &mut sends, &mut [], deadline);
+        Self::finish(&mut inner, r)
+    }
+
+    fn control_recv(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
+        self.check_peer(op, peer)?;
+        let (mut inner, ctx) = self.lock(op)?;
+        let deadline = Instant::now() + self.timeout();
+        let mut recvs = vec![RecvOp::control(peer, kind, tag)];
+        let r = inner.links.exchange(&ctx, &mut [], &mut recvs, deadline);
+        Self::finish(&mut inner, r)
+    }
+
+    /// Open a connection to `peer` identified by `tag` (both ranks call `connect` with each
+    /// other's rank and the same tag). Messages on it are matched by (peer, tag).
+    pub fn connect(&self, peer: usize, tag: u32) -> Result<Connection<'_>> {
+        {
+            let inner = self.inner.lock().unwrap();
+            if inner.open_conns.contains(&(peer, tag)) {
+                return Err(Error::invalid(
+                    "connect",
+                    inner.seq,
+                    format!("a connection to rank {peer} with tag {tag} is already open"),
+                ));
+            }
+        }
+        self.control_send("connect", peer, Kind::Connect, tag)?;
+        self.control_recv("connect", peer, Kind::Connect, tag)?;
+        self.inner.lock().unwrap().open_conns.insert((peer, tag));
+        Ok(Connection {
+            comm: self,
+            peer,
+            tag,
+            open: true,
+        })
+    }
+
+    // ----- sub-communicators -----
+
+    /// Split into sub-communicators (collective over this communicator): ranks passing the
+    /// same `color` form one, ordered by (`key`, rank). `None` as color leaves this rank out
+    /// (returns `Ok(None)`).
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let mine = [color.map_or(-1i64, |c| c as i64), key];
+        let mut all = vec![0i64; 2 * self.size];
+        self.all_gather(&mine, &mut all)?;
+        let split_no = {
+            let mut inner = self.inner.lock().unwrap();
+            inner.splits += 1;
+            inner.splits
+        };
+        let Some(color) = color else { return Ok(None) };
+        let mut members: Vec<(i64, usize)> = (0..self.size)
+            .filter(|&r| all[2 * r] == color as i64)
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort();
+        let ranks: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
+        let id = format!("{}/split{split_no}/c{color}", self.comm_id);
+        self.sub_communicator(id, &ranks).map(Some)
+    }
+
+    /// A communicator of `ranks` (in that order: the new rank of `ranks[i]` is `i`). Only the
+    /// members call it, each with the same list; calling it again with the same list makes a
+    /// new, independent communicator.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Communicator> {
+        let seq = self.peek_seq();
+        let mut seen = HashSet::new();
+        for &r in ranks {
+            if r >= self.size {
+                return Err(Error::invalid(
+                    "new_group",
+                    seq,
+                    format!(
+                        "rank {r} is out of range for a communicator of {} ranks",
+                        self.size
+                    ),
+                ));
+            }
+            if !seen.insert(r) {
+                return Err(Error::invalid(
+                    "new_group",
+                    seq,
+                    format!("rank {r} is listed twice"),
+                ));
+            }
+        }
+        if !seen.contains(&self.rank) {
+            return Err(Error::invalid(
+                "new_group",
+                seq,
+                format!("this rank ({}) is not in the group {ranks:?}", self.rank),
+            ));
+        }
+        let n = {
+            let mut inner = self.inner.lock().unwrap();
+            let c = inner.groups.entry(ranks.to_vec()).or_insert(0);
+            *c += 1;
+            *c
+        };
+        let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+        let id = format!("{}/group[{}]#{n}", self.comm_id, list.join(","));
+        self.sub_communicator(id, ranks)
+    }
+
+    fn sub_communicator(&self, comm_id: String, ranks: &[usize]) -> Result<Communicator> {
+        let rank = ranks.iter().position(|&r| r == self.rank).expect("member");
+        let timeout = self.timeout();
+        let store = StoreClient::connect(&self.store_addr, timeout)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let ip = {
+            let inner = self.inner.lock().unwrap();
+            inner.links.listen_ip()
+        };
+        let algo = self.inner.lock().unwrap().algo.clone();
+        let mut c = Self::build(BuildArgs {
+            comm_id,
+            rank,
+            size: ranks.len(),
+            store,
+            store_addr: self.store_addr.clone(),
+            server: self._server.clone(),
+            ip,
+            host_id: self.host_id.clone(),
+            timeout,
+            local_size_hint: None,
+            algo,
+        })?;
+        c.thresholds = self.thresholds;
+        let _ = self.policy;
+        Ok(c)
+    }
+}
+
+struct BuildArgs {
+    comm_id: String,
+    rank: usize,
+    size: usize,
+    store: StoreClient,
+    store_addr: String,
+    server: Option<Arc<StoreServer>>,
+    ip: std::net::IpAddr,
+    host_id: String,
+    timeout: Duration,
+    local_size_hint: Option<usize>,
+    algo: HashMap<Collective, Algo>,
+}
+
+/// A connection to one peer under one tag (connection-oriented point-to-point, as HCCL's
+/// `CreateConnection`). Closing is announced to the peer.
+pub struct Connection<'c> {
+    comm: &'c Communicator,
+    peer: usize,
+    tag: u32,
+    open: bool,
+}
+
+impl Connection<'_> {
+    /// The peer's rank.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// The tag.
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+
+    /// Send `buf` (see [`Communicator::send`]).
+    pub fn send<T: Element>(&self, buf: &[T]) -> Result<()> {
+        self.comm.send(self.peer, self.tag, buf)
+    }
+
+    /// Receive into `buf` (see [`Communicator::recv`]).
+    pub fn recv<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.comm.recv(self.peer, self.tag, buf)
+    }
+
+    /// Close: tell the peer and forget the connection.
+    pub fn close(mut self) -> Result<()> {
+        self.open = false;
+        self.comm
+            .inner
+            .lock()
+            .unwrap()
+            .open_conns
+            .remove(&(self.peer, self.tag));
+        self.comm
+            .control_send("close", self.peer, Kind::Close, self.tag)
+    }
+}
+
+impl Drop for Connection<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            if let Ok(mut i) = self.comm.inner.lock() {
+                i.open_conns.remove(&(self.peer, self.tag));
+            }
+        }
+    }
+}

@@ -1,0 +1,1836 @@
+//! Bootstrap configuration: who am I, how many of us are there, and where is
+//! the master.
+//!
+//! A process learns its place in the job from one of two places:
+//!
+//! * the **environment** ([`BootstrapConfig::from_env`]): hcomm's own
+//!   `HCOMM_*` variables, or, when those are absent, the variables set by
+//!   torchrun, Open MPI, MPICH/PMI or Slurm;
+//! * a **rank table** ([`BootstrapConfig::from_rank_table`]): a JSON file
+//!   (`hcom_config.json`, see [`RankTable`]) that lists every rank of the job.
+//!
+//! Every problem is reported as a [`ConfigError`] whose message names the
+//! variable or field at fault. `docs/configuration.md` is the user-facing
+//! reference for all of this.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Which transport hcomm uses between ranks (`HCOMM_TRANSPORT`, or the rank
+/// table's `transport` field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// Let hcomm choose the transport for each pair of ranks (the default).
+    #[default]
+    Auto,
+    /// TCP sockets.
+    Tcp,
+    /// Shared memory; only possible between ranks on the same host.
+    Shm,
+}
+
+impl TransportKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+
+    /// Parses `auto`, `tcp` or `shm` (ASCII case-insensitive, surrounding
+    /// whitespace ignored).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        [TransportKind::Auto, TransportKind::Tcp, TransportKind::Shm]
+            .into_iter()
+            .find(|k| t.eq_ignore_ascii_case(k.as_str()))
+            .ok_or_else(|| format!("'{t}' is not a transport (expected auto, tcp or shm)"))
+    }
+}
+
+/// Where a process's rank and world size came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LaunchSource {
+    /// hcomm's own `HCOMM_RANK` / `HCOMM_WORLD_SIZE` (set by `hcomm run` or by hand).
+    Hcomm,
+    /// torchrun / `torch.distributed` (`RANK` / `WORLD_SIZE`).
+    Torchrun,
+    /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`).
+    OpenMpi,
+    /// MPICH, Intel MPI or another PMI launcher (`PMI_RANK` / `PMI_SIZE`).
+    Pmi,
+    /// Slurm's `srun` (`SLURM_PROCID` / `SLURM_NTASKS`).
+    Slurm,
+    /// A rank table file (`hcom_config.json`).
+    RankTable,
+}
+
+impl fmt::Display for LaunchSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LaunchSource::Hcomm => "hcomm",
+            LaunchSource::Torchrun => "torchrun",
+            LaunchSource::OpenMpi => "Open MPI",
+            LaunchSource::Pmi => "MPICH/PMI",
+            LaunchSource::Slurm => "Slurm",
+            LaunchSource::RankTable => "rank table",
+        })
+    }
+}
+
+/// Everything a process needs to join an hcomm job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapConfig {
+    /// This process's rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks in the job (at least 1).
+    pub world_size: usize,
+    /// This process's rank among the ranks on its host, when known.
+    pub local_rank: Option<usize>,
+    /// Number of ranks on this process's host, when known.
+    pub local_world_size: Option<usize>,
+    /// Identifies this process's host; ranks with equal ids share a host.
+    pub host_id: Option<String>,
+    /// Address (IP or host name) of the master (rank 0's rendezvous server).
+    pub master_addr: String,
+    /// TCP port of the master.
+    pub master_port: u16,
+    /// How long bootstrap may take before giving up.
+    pub timeout: Duration,
+    /// Requested transport.
+    pub transport: TransportKind,
+    /// Network interface to use for sockets, if one was named.
+    pub socket_ifname: Option<String>,
+    /// Address this rank listens on for data links (the rank table's `host`); `None` lets
+    /// hcomm choose (`socket_ifname`, else the address that routes to the master).
+    pub listen_host: Option<String>,
+    /// File holding the job's shared authentication token, if any.
+    pub token_file: Option<PathBuf>,
+    /// Where `rank` and `world_size` came from.
+    pub source: LaunchSource,
+}
+
+/// Errors found while reading the configuration. Each message names the
+/// environment variable or rank-table field at fault.
+#[derive(thiserror::Error, Debug)]
+pub enum ConfigError {
+    /// A variable that must hold a non-negative integer does not.
+    #[error("{var}={value} is not a non-negative integer")]
+    InvalidInteger {
+        /// The variable's name.
+        var: String,
+        /// Its value.
+        value: String,
+    },
+    /// A port variable is not an integer in 1..=65535.
+    #[error("{var}={value} is not a valid port (expected 1-65535)")]
+    InvalidPort {
+        /// The variable's name.
+        var: String,
+        /// Its value.
+        value: String,
+    },
+    /// A variable has a value that cannot be used.
+    #[error("invalid {var}: {reason}")]
+    InvalidValue {
+        /// The variable's name.
+        var: String,
+        /// What is wrong with it (quotes the value).
+        reason: String,
+    },
+    /// Only one of a launcher's rank / world-size pair is set.
+    #[error(
+        "{present} is set but {missing} is not: rank and world size are taken together \
+         from one launcher ({launcher}), so set both or neither"
+    )]
+    IncompletePair {
+        /// The variable that is set.
+        present: String,
+        /// The variable that is missing.
+        missing: String,
+        /// The launcher the pair belongs to.
+        launcher: LaunchSource,
+    },
+    /// A world size (global or local) of zero.
+    #[error("{var}=0: a world size must be at least 1")]
+    ZeroWorldSize {
+        /// The variable's name.
+        var: String,
+    },
+    /// The rank is not below the world size.
+    #[error("rank {rank} is out of range for world size {world_size} (from {origin})")]
+    RankOutOfRange {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world_size: usize,
+        /// The variable the rank came from.
+        origin: String,
+    },
+    /// A local rank is not below the local world size (or, when that is
+    /// unknown, the world size).
+    #[error("{var}={value} is out of range: it must be less than {limit_var}={limit}")]
+    LocalOutOfRange {
+        /// The variable holding the local rank.
+        var: String,
+        /// Its value.
+        value: usize,
+        /// The variable holding the limit.
+        limit_var: String,
+        /// The limit's value.
+        limit: usize,
+    },
+    /// The local world size exceeds the world size.
+    #[error("{var}={value} is larger than the world size {size_var}={world_size}")]
+    LocalWorldSizeTooLarge {
+        /// The variable holding the local world size.
+        var: String,
+        /// Its value.
+        value: usize,
+        /// The variable holding the world size.
+        size_var: String,
+        /// The world size.
+        world_size: usize,
+    },
+    /// No launcher variables were found at all.
+    #[error(
+        "no rank/world size in the environment: set HCOMM_RANK and HCOMM_WORLD_SIZE, \
+         or start under hcomm run, torchrun, mpirun or srun"
+    )]
+    NoLauncher,
+    /// No master address is set and the job may span several hosts.
+    #[error(
+        "no master address: set HCOMM_MASTER_ADDR (or MASTER_ADDR) to the address of \
+         rank 0's host; 127.0.0.1 is only assumed when all {world_size} ranks are evidently \
+         on one host (rank and world size from {launcher})"
+    )]
+    MissingMasterAddr {
+        /// The world size.
+        world_size: usize,
+        /// Where rank and world size came from.
+        launcher: LaunchSource,
+    },
+    /// The rank table file could not be read.
+    #[error("rank table {}: cannot read: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The rank table is not valid JSON or does not match the schema.
+    #[error("rank table{}: JSON error at line {line} column {column}: {message}", path_suffix(.path))]
+    RankTableJson {
+        /// The file, when the table was loaded from one.
+        path: Option<PathBuf>,
+        /// 1-based line of the error.
+        line: usize,
+        /// 1-based column of the error.
+        column: usize,
+        /// What the JSON parser reported.
+        message: String,
+    },
+    /// The rank table parsed but is inconsistent; the message starts with
+    /// the field at fault (such as `ranks[2].rank`) where there is one.
+    #[error("rank table{}: {message}", path_suffix(.path))]
+    RankTable {
+        /// The file, when the table was loaded from one.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn path_suffix(path: &Option<PathBuf>) -> String {
+    path.as_ref()
+        .map(|p| format!(" {}", p.display()))
+        .unwrap_or_default()
+}
+
+impl ConfigError {
+    /// Attaches the rank table's path to rank-table errors that lack one.
+    fn with_path(mut self, file: &Path) -> Self {
+        if let ConfigError::RankTableJson { path, .. } | ConfigError::RankTable { path, .. } =
+            &mut self
+        {
+            if path.is_none() {
+                *path = Some(file.to_path_buf());
+            }
+        }
+        self
+    }
+}
+
+fn table_err(message: String) -> ConfigError {
+    ConfigError::RankTable {
+        path: None,
+        message,
+    }
+}
+
+/// The rank and world-size variables of one launcher, plus its local ones.
+struct Launcher {
+    source: LaunchSource,
+    rank: &'static str,
+    size: &'static str,
+    local_rank: &'static [&'static str],
+    local_size: &'static [&'static str],
+}
+
+/// Launchers in order of precedence.
+const LAUNCHERS: [Launcher; 5] = [
+    Launcher {
+        source: LaunchSource::Hcomm,
+        rank: "HCOMM_RANK",
+        size: "HCOMM_WORLD_SIZE",
+        local_rank: &[],
+        local_size: &[],
+    },
+    Launcher {
+        source: LaunchSource::Torchrun,
+        rank: "RANK",
+        size: "WORLD_SIZE",
+        local_rank: &["LOCAL_RANK"],
+        local_size: &["LOCAL_WORLD_SIZE"],
+    },
+    Launcher {
+        source: LaunchSource::OpenMpi,
+        rank: "OMPI_COMM_WORLD_RANK",
+        size: "OMPI_COMM_WORLD_SIZE",
+        local_rank: &["OMPI_COMM_WORLD_LOCAL_RANK"],
+        local_size: &["OMPI_COMM_WORLD_LOCAL_SIZE"],
+    },
+    Launcher {
+        source: LaunchSource::Pmi,
+        rank: "PMI_RANK",
+        size: "PMI_SIZE",
+        local_rank: &["MPI_LOCALRANKID", "PMI_LOCAL_RANK"],
+        local_size: &["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"],
+    },
+    Launcher {
+        source: LaunchSource::Slurm,
+        rank: "SLURM_PROCID",
+        size: "SLURM_NTASKS",
+        local_rank: &["SLURM_LOCALID"],
+        // SLURM_NTASKS_PER_NODE is handled specially: it is not always a plain integer.
+        local_size: &[],
+    },
+];
+
+/// Variable lookup; values are trimmed and empty values count as unset.
+struct Vars<F>(F);
+
+impl<F: Fn(&str) -> Option<String>> Vars<F> {
+    fn get(&self, name: &str) -> Option<String> {
+        (self.0)(name)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The first of `names` that is set, parsed as a non-negative integer.
+    fn first_uint(
+        &self,
+        names: impl IntoIterator<Item = &'static str>,
+    ) -> Result<Option<(usize, &'static str)>, ConfigError> {
+        for name in names {
+            if let Some(v) = self.get(name) {
+                return parse_uint(name, &v).map(|n| Some((n, name)));
+            }
+        }
+        Ok(None)
+    }
+
+    fn timeout(&self) -> Result<Option<Duration>, ConfigError> {
+        const VAR: &str = "HCOMM_TIMEOUT";
+        let Some(v) = self.get(VAR) else {
+            return Ok(None);
+        };
+        let invalid = |reason: String| ConfigError::InvalidValue {
+            var: VAR.into(),
+            reason,
+        };
+        let d = parse_duration(&v).map_err(invalid)?;
+        if d.is_zero() {
+            return Err(invalid(format!(
+                "'{v}': the timeout must be greater than zero"
+            )));
+        }
+        Ok(Some(d))
+    }
+
+    fn transport(&self) -> Result<Option<TransportKind>, ConfigError> {
+        const VAR: &str = "HCOMM_TRANSPORT";
+        self.get(VAR)
+            .map(|v| {
+                v.parse().map_err(|reason| ConfigError::InvalidValue {
+                    var: VAR.into(),
+                    reason,
+                })
+            })
+            .transpose()
+    }
+}
+
+fn parse_uint(var: &str, value: &str) -> Result<usize, ConfigError> {
+    // `usize::from_str` accepts a leading '+'; a launcher never writes one.
+    if value.bytes().all(|b| b.is_ascii_digit()) {
+        if let Ok(n) = value.parse() {
+            return Ok(n);
+        }
+    }
+    Err(ConfigError::InvalidInteger {
+        var: var.into(),
+        value: value.into(),
+    })
+}
+
+fn parse_port(var: &str, value: &str) -> Result<u16, ConfigError> {
+    match value.parse::<u16>() {
+        Ok(p) if p != 0 && !value.starts_with('+') => Ok(p),
+        _ => Err(ConfigError::InvalidPort {
+            var: var.into(),
+            value: value.into(),
+        }),
+    }
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+impl BootstrapConfig {
+    /// Master port used when none is configured.
+    pub const DEFAULT_PORT: u16 = 29500;
+    /// Bootstrap timeout used when none is configured.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+    /// Reads the configuration from the process environment; see
+    /// [`BootstrapConfig::from_vars`] for the rules.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_vars(env_var)
+    }
+
+    /// Reads the configuration from variables supplied by `get` (a name to
+    /// value lookup, such as `std::env::var`).
+    ///
+    /// Values are trimmed, and an empty value counts as unset. Rank and world
+    /// size come, together, from the first launcher whose variables are set:
+    /// `HCOMM_RANK`/`HCOMM_WORLD_SIZE`, then torchrun, Open MPI, MPICH/PMI and
+    /// Slurm. `HCOMM_LOCAL_RANK`, `HCOMM_LOCAL_WORLD_SIZE` and the other
+    /// `HCOMM_*` variables override what the launcher provides.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let vars = Vars(get);
+
+        let mut found = None;
+        for l in &LAUNCHERS {
+            match (vars.get(l.rank), vars.get(l.size)) {
+                (None, None) => continue,
+                (Some(r), Some(s)) => {
+                    found = Some((l, r, s));
+                    break;
+                }
+                (r, _) => {
+                    let (present, missing) = if r.is_some() {
+                        (l.rank, l.size)
+                    } else {
+                        (l.size, l.rank)
+                    };
+                    return Err(ConfigError::IncompletePair {
+                        present: present.into(),
+                        missing: missing.into(),
+                        launcher: l.source,
+                    });
+                }
+            }
+        }
+        let (launcher, rank, world_size) = found.ok_or(ConfigError::NoLauncher)?;
+        let rank = parse_uint(launcher.rank, &rank)?;
+        let world_size = parse_uint(launcher.size, &world_size)?;
+        if world_size == 0 {
+            return Err(ConfigError::ZeroWorldSize {
+                var: launcher.size.into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(ConfigError::RankOutOfRange {
+                rank,
+                world_size,
+                origin: launcher.rank.into(),
+            });
+        }
+
+        let local_rank = vars.first_uint(
+            std::iter::once("HCOMM_LOCAL_RANK").chain(launcher.local_rank.iter().copied()),
+        )?;
+        let mut local_size = vars.first_uint(
+            std::iter::once("HCOMM_LOCAL_WORLD_SIZE").chain(launcher.local_size.iter().copied()),
+        )?;
+        if local_size.is_none() && launcher.source == LaunchSource::Slurm {
+            // Only a plain integer that divides the task count describes every node;
+            // forms like "2(x3),1" or uneven splits are ignored.
+            const VAR: &str = "SLURM_NTASKS_PER_NODE";
+            if let Some(Ok(n)) = vars.get(VAR).map(|v| parse_uint(VAR, &v)) {
+                if n >= 1 && world_size % n == 0 {
+                    local_size = Some((n, VAR));
+                }
+            }
+        }
+        if let Some((n, var)) = local_size {
+            if n == 0 {
+                return Err(ConfigError::ZeroWorldSize { var: var.into() });
+            }
+            if n > world_size {
+                return Err(ConfigError::LocalWorldSizeTooLarge {
+                    var: var.into(),
+                    value: n,
+                    size_var: launcher.size.into(),
+                    world_size,
+                });
+            }
+        }
+        if let Some((lr, var)) = local_rank {
+            let (limit, limit_var) = local_size.unwrap_or((world_size, launcher.size));
+            if lr >= limit {
+                return Err(ConfigError::LocalOutOfRange {
+                    var: var.into(),
+                    value: lr,
+                    limit_var: limit_var.into(),
+                    limit,
+                });
+            }
+        }
+        let local_world_size = local_size.map(|(n, _)| n);
+
+        let single_host = world_size == 1 || local_world_size == Some(world_size);
+        let slurm_addr = if launcher.source == LaunchSource::Slurm {
+            Some("SLURM_LAUNCH_NODE_IPADDR")
+        } else {
+            None
+        };
+        let addr = ["HCOMM_MASTER_ADDR", "MASTER_ADDR"]
+            .into_iter()
+            .chain(slurm_addr)
+            .find_map(|var| vars.get(var).map(|v| (v, var)));
+        let master_addr = match addr {
+            Some((a, var)) => {
+                if a.chars().any(char::is_whitespace) {
+                    return Err(ConfigError::InvalidValue {
+                        var: var.into(),
+                        reason: format!("'{a}' contains whitespace"),
+                    });
+                }
+                a
+            }
+            None if single_host => "127.0.0.1".to_string(),
+            None => {
+                return Err(ConfigError::MissingMasterAddr {
+                    world_size,
+                    launcher: launcher.source,
+                })
+            }
+        };
+        let master_port = match ["HCOMM_MASTER_PORT", "MASTER_PORT"]
+            .into_iter()
+            .find_map(|var| vars.get(var).map(|v| (v, var)))
+        {
+            Some((v, var)) => parse_port(var, &v)?,
+            None => Self::DEFAULT_PORT,
+        };
+
+        Ok(BootstrapConfig {
+            rank,
+            world_size,
+            local_rank: local_rank.map(|(n, _)| n),
+            local_world_size,
+            host_id: vars.get("HCOMM_HOST_ID"),
+            master_addr,
+            master_port,
+            timeout: vars.timeout()?.unwrap_or(Self::DEFAULT_TIMEOUT),
+            transport: vars.transport()?.unwrap_or_default(),
+            socket_ifname: vars.get("HCOMM_SOCKET_IFNAME"),
+            listen_host: None,
+            token_file: vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from),
+            source: launcher.source,
+        })
+    }
+
+    /// Loads the rank table at `path` (see [`RankTable::load`]) and returns
+    /// the configuration of `rank`.
+    ///
+    /// What the table names wins. For what it leaves out, `HCOMM_TIMEOUT`,
+    /// `HCOMM_TRANSPORT`, `HCOMM_SOCKET_IFNAME` and `HCOMM_TOKEN_FILE` from
+    /// the environment still apply, then the defaults.
+    pub fn from_rank_table(path: &Path, rank: usize) -> Result<Self, ConfigError> {
+        Self::from_rank_table_with(path, rank, env_var)
+    }
+
+    fn from_rank_table_with(
+        path: &Path,
+        rank: usize,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let table = RankTable::load(path)?;
+        let mut cfg = table.bootstrap_for(rank).map_err(|e| e.with_path(path))?;
+        let vars = Vars(get);
+        if table.timeout_s.is_none() {
+            if let Some(t) = vars.timeout()? {
+                cfg.timeout = t;
+            }
+        }
+        if table.transport.is_none() {
+            if let Some(t) = vars.transport()? {
+                cfg.transport = t;
+            }
+        }
+        if cfg.socket_ifname.is_none() {
+            cfg.socket_ifname = vars.get("HCOMM_SOCKET_IFNAME");
+        }
+        if cfg.token_file.is_none() {
+            cfg.token_file = vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from);
+        }
+        Ok(cfg)
+    }
+}
+
+/// Parses a duration: a plain number of seconds (`"30"`, `"2.5"`) or a
+/// number with a unit `ms`, `s`, `m` or `h` (`"500ms"`, `"30s"`, `"2m"`,
+/// `"1h"`). Surrounding whitespace is ignored. Negative, empty and malformed
+/// values are rejected; the error quotes the input.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    const NANOS_PER_SEC: u128 = 1_000_000_000;
+    let t = s.trim();
+    let bad = || {
+        format!(
+            "'{t}' is not a valid duration (expected seconds such as 30 or 2.5, \
+             or a number with a unit: 500ms, 30s, 2m, 1h)"
+        )
+    };
+    if t.is_empty() {
+        return Err("empty duration (expected e.g. 30, 2.5, 500ms, 30s, 2m, 1h)".into());
+    }
+    if t.starts_with('-') {
+        return Err(format!("'{t}' is negative; a duration must not be"));
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let unit_nanos: u128 = match unit.trim_start() {
+        "" | "s" => NANOS_PER_SEC,
+        "ms" => 1_000_000,
+        "m" => 60 * NANOS_PER_SEC,
+        "h" => 3600 * NANOS_PER_SEC,
+        _ => return Err(bad()),
+    };
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+    if (int.is_empty() && frac.is_empty()) || frac.contains('.') {
+        return Err(bad());
+    }
+    let too_large = || format!("'{t}' is too large for a duration");
+    let int: u128 = if int.is_empty() {
+        0
+    } else {
+        int.parse().map_err(|_| too_large())?
+    };
+    // Digits beyond nanosecond precision of an hour do not matter.
+    let frac = &frac[..frac.len().min(18)];
+    let frac_nanos = if frac.is_empty() {
+        0
+    } else {
+        let digits: u128 = frac.parse().map_err(|_| bad())?;
+        digits * unit_nanos / 10u128.pow(frac.len() as u32)
+    };
+    let total = int
+        .checked_mul(unit_nanos)
+        .and_then(|n| n.checked_add(frac_nanos))
+        .ok_or_else(too_large)?;
+    let secs = u64::try_from(total / NANOS_PER_SEC).map_err(|_| too_large())?;
+    let nanos = u32::try_from(total % NANOS_PER_SEC).map_err(|_| too_large())?;
+    Ok(Duration::new(secs, nanos))
+}
+
+/// Checks that `s` is an IPv4/IPv6 literal or an RFC 1123 host name.
+fn check_host(s: &str) -> Result<(), String> {
+    if s.parse::<IpAddr>().is_ok() || is_hostname(s) {
+        Ok(())
+    } else {
+        Err(format!("'{s}' is not a valid IP address or host name"))
+    }
+}
+
+fn is_hostname(s: &str) -> bool {
+    let s = s.strip_suffix('.').unwrap_or(s);
+    if s.is_empty() || s.len() > 253 {
+        return false;
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    // An all-numeric last label would make "10.0.0.999" a host name; it is a bad IP.
+    s.split('.').all(label_ok)
+        && !s
+            .rsplit('.')
+            .next()
+            .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The master (rendezvous) endpoint in a rank table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MasterEntry {
+    /// IP address or host name of the master.
+    pub addr: String,
+    /// TCP port of the master, 1..=65535.
+    pub port: u16,
+}
+
+/// One rank's entry in a rank table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankEntry {
+    /// The rank, `0..world_size`.
+    pub rank: usize,
+    /// Address (IP or host name) this rank listens on.
+    pub host: String,
+    /// Rank among the ranks with the same host id, `0..count`.
+    pub local_rank: usize,
+    /// Identifies the rank's host; defaults to `host`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_id: Option<String>,
+    /// Network interface for this rank's sockets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ifname: Option<String>,
+}
+
+/// The id that groups a rank table entry with the others on its host.
+fn host_id_of(entry: &RankEntry) -> &str {
+    entry.host_id.as_deref().unwrap_or(&entry.host)
+}
+
+/// A rank table (`hcom_config.json`): the whole job's layout in one JSON
+/// file. Unknown fields are rejected. See `docs/configuration.md`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankTable {
+    /// Schema version; only `"1.0"` is supported.
+    pub version: String,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// The master endpoint.
+    pub master: MasterEntry,
+    /// File holding the job's authentication token. A relative path is
+    /// resolved against the table's directory by [`RankTable::load`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    /// Bootstrap timeout in seconds (greater than zero).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+    /// Requested transport: `"auto"`, `"tcp"` or `"shm"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<TransportKind>,
+    /// One entry per rank, in any order.
+    pub ranks: Vec<RankEntry>,
+}
+
+impl RankTable {
+    const VERSION: &'static str = "1.0";
+
+    /// Parses and validates a rank table from JSON text.
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let table: RankTable = match serde_json::from_str(json) {
+            Ok(t) => t,
+            Err(e) => {
+                // Another version may have another schema: report the version,
+                // not a field error that follows from it.
+                if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(json) {
+                    if let Some(serde_json::Value::String(v)) = map.get("version") {
+                        if v != Self::VERSION {
+                            return Err(table_err(Self::version_message(v)));
+                        }
+                    }
+                }
+                let line = e.line();
+                let column = e.column();
+                let full = e.to_string();
+                let message = full
+                    .strip_suffix(&format!(" at line {line} column {column}"))
+                    .unwrap_or(&full)
+                    .to_string();
+                return Err(ConfigError::RankTableJson {
+                    path: None,
+                    line,
+                    column,
+                    message,
+                });
+            }
+        };
+        table.validate()?;
+        Ok(table)
+    }
+
+    /// Reads, parses and validates the rank table at `path`. A relative
+    /// `token_file` is made relative to the directory holding `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut table = Self::parse(&text).map_err(|e| e.with_path(path))?;
+        if let (Some(file), Some(dir)) = (&table.token_file, path.parent()) {
+            if file.is_relative() {
+                table.token_file = Some(dir.join(file));
+            }
+        }
+        Ok(table)
+    }
+
+    fn version_message(v: &str) -> String {
+        format!("unsupported version '{v}' (supported: {})", Self::VERSION)
+    }
+
+    /// Checks the table: the version; `world_size` ≥ 1; the master address
+    /// and port; `timeout_s` and `token_file` when present; every rank's
+    /// host, host id and interface; ranks in range, unique, and exactly
+    /// `0..world_size`; and, per host id, local ranks unique and exactly
+    /// `0..n` for the host's `n` ranks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.version != Self::VERSION {
+            return Err(table_err(Self::version_message(&self.version)));
+        }
+        let ws = self.world_size;
+        if ws == 0 {
+            return Err(table_err("world_size: must be at least 1".into()));
+        }
+        check_host(&self.master.addr).map_err(|m| table_err(format!("master.addr: {m}")))?;
+        if self.master.port == 0 {
+            return Err(table_err("master.port: 0 is not a valid port".into()));
+        }
+        if let Some(t) = self.timeout_s {
+            if t <= 0.0 || Duration::try_from_secs_f64(t).is_err() {
+                return Err(table_err(format!(
+                    "timeout_s: {t} is not a positive number of seconds"
+                )));
+            }
+        }
+        if self
+            .token_file
+            .as_ref()
+            .is_some_and(|f| f.as_os_str().is_empty())
+        {
+            return Err(table_err("token_file: must not be empty".into()));
+        }
+        let count_message = format!(
+            "world_size is {ws} but {} ranks are listed",
+            self.ranks.len()
+        );
+        if self.ranks.len() > ws {
+            return Err(table_err(count_message));
+        }
+
+        let mut seen: Vec<Option<usize>> = vec![None; ws];
+        for (i, e) in self.ranks.iter().enumerate() {
+            check_host(&e.host).map_err(|m| table_err(format!("ranks[{i}].host: {m}")))?;
+            if e.host_id.as_ref().is_some_and(|h| h.trim().is_empty()) {
+                return Err(table_err(format!("ranks[{i}].host_id: must not be empty")));
+            }
+            if let Some(n) = &e.ifname {
+                if n.is_empty() || n.chars().any(char::is_whitespace) {
+                    return Err(table_err(format!(
+                        "ranks[{i}].ifname: '{n}' is not a valid interface name"
+                    )));
+                }
+            }
+            let Some(slot) = seen.get_mut(e.rank) else {
+                return Err(table_err(format!(
+                    "ranks[{i}].rank: rank {} is out of range for world size {ws}",
+                    e.rank
+                )));
+            };
+            if let Some(j) = slot {
+                return Err(table_err(format!(
+                    "ranks[{i}].rank: duplicate rank {} (also at ranks[{j}])",
+                    e.rank
+                )));
+            }
+            *slot = Some(i);
+        }
+        let missing: Vec<String> = seen
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_none())
+            .map(|(r, _)| r.to_string())
+            .collect();
+        if !missing.is_empty() {
+            let shown = missing.len().min(8);
+            let more = if missing.len() > shown { ", ..." } else { "" };
+            return Err(table_err(format!(
+                "missing rank{} {}{more} ({count_message})",
+                if missing.len() == 1 { "" } else { "s" },
+                missing[..shown].join(", "),
+            )));
+        }
+
+        let mut per_host: HashMap<&str, usize> = HashMap::new();
+        for e in &self.ranks {
+            *per_host.entry(host_id_of(e)).or_default() += 1;
+        }
+        let mut local_seen: HashMap<(&str, usize), usize> = HashMap::new();
+        for (i, e) in self.ranks.iter().enumerate() {
+            let host = host_id_of(e);
+            let n = per_host[host];
+            if e.local_rank >= n {
+                return Err(table_err(format!(
+                    "ranks[{i}].local_rank: local_rank {} is out of range for host '{host}', \
+                     which has {n} rank{} (local ranks must be 0..{n})",
+                    e.local_rank,
+                    if n == 1 { "" } else { "s" },
+                )));
+            }
+            if let Some(j) = local_seen.insert((host, e.local_rank), i) {
+                return Err(table_err(format!(
+                    "ranks[{i}].local_rank: duplicate local_rank {} on host '{host}' \
+                     (also at ranks[{j}])",
+                    e.local_rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates the table and returns the configuration of `rank`, with
+    /// `source` [`LaunchSource::RankTable`]. Settings the table leaves out
+    /// take their defaults; the environment is not consulted.
+    pub fn bootstrap_for(&self, rank: usize) -> Result<BootstrapConfig, ConfigError> {
+        self.validate()?;
+        let entry = self.ranks.iter().find(|e| e.rank == rank).ok_or_else(|| {
+            table_err(format!(
+                "requested rank {rank} is out of range for world size {}",
+                self.world_size
+            ))
+        })?;
+        let host = host_id_of(entry);
+        let local_world_size = self.ranks.iter().filter(|e| host_id_of(e) == host).count();
+        Ok(BootstrapConfig {
+            rank,
+            world_size: self.world_size,
+            local_rank: Some(entry.local_rank),
+            local_world_size: Some(local_world_size),
+            host_id: Some(host.to_string()),
+            master_addr: self.master.addr.clone(),
+            master_port: self.master.port,
+            // validate() checked that the conversion succeeds.
+            timeout: self
+                .timeout_s
+                .and_then(|t| Duration::try_from_secs_f64(t).ok())
+                .unwrap_or(BootstrapConfig::DEFAULT_TIMEOUT),
+            transport: self.transport.unwrap_or_default(),
+            socket_ifname: entry.ifname.clone(),
+            listen_host: Some(entry.host.clone()),
+            token_file: self.token_file.clone(),
+            source: LaunchSource::RankTable,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from(pairs: &[(&str, &str)]) -> Result<BootstrapConfig, ConfigError> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        BootstrapConfig::from_vars(|k| map.get(k).cloned())
+    }
+
+    fn ok(pairs: &[(&str, &str)]) -> BootstrapConfig {
+        from(pairs).unwrap_or_else(|e| panic!("unexpected error: {e}"))
+    }
+
+    fn err(pairs: &[(&str, &str)]) -> String {
+        match from(pairs) {
+            Ok(c) => panic!("expected an error, got {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn assert_contains(haystack: &str, needles: &[&str]) {
+        for n in needles {
+            assert!(haystack.contains(n), "{haystack:?} does not contain {n:?}");
+        }
+    }
+
+    // ---- environment sources ----
+
+    #[test]
+    fn hcomm_vars() {
+        let c = ok(&[
+            ("HCOMM_RANK", "3"),
+            ("HCOMM_WORLD_SIZE", "8"),
+            ("HCOMM_LOCAL_RANK", "1"),
+            ("HCOMM_LOCAL_WORLD_SIZE", "2"),
+            ("HCOMM_HOST_ID", "node-b"),
+            ("HCOMM_MASTER_ADDR", "10.0.0.1"),
+            ("HCOMM_MASTER_PORT", "1234"),
+            ("HCOMM_TIMEOUT", "90s"),
+            ("HCOMM_TRANSPORT", "tcp"),
+            ("HCOMM_SOCKET_IFNAME", "eth1"),
+            ("HCOMM_TOKEN_FILE", "/run/token"),
+        ]);
+        assert_eq!(
+            c,
+            BootstrapConfig {
+                rank: 3,
+                world_size: 8,
+                local_rank: Some(1),
+                local_world_size: Some(2),
+                host_id: Some("node-b".into()),
+                master_addr: "10.0.0.1".into(),
+                master_port: 1234,
+                timeout: Duration::from_secs(90),
+                transport: TransportKind::Tcp,
+                socket_ifname: Some("eth1".into()),
+                listen_host: None,
+                token_file: Some(PathBuf::from("/run/token")),
+                source: LaunchSource::Hcomm,
+            }
+        );
+    }
+
+    #[test]
+    fn torchrun_vars() {
+        let c = ok(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "master.example.com"),
+            ("MASTER_PORT", "29400"),
+        ]);
+        assert_eq!((c.rank, c.world_size), (5, 8));
+        assert_eq!((c.local_rank, c.local_world_size), (Some(1), Some(4)));
+        assert_eq!(c.master_addr, "master.example.com");
+        assert_eq!(c.master_port, 29400);
+        assert_eq!(c.source, LaunchSource::Torchrun);
+    }
+
+    #[test]
+    fn openmpi_vars() {
+        let c = ok(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+        ]);
+        assert_eq!((c.rank, c.world_size), (2, 4));
+        assert_eq!((c.local_rank, c.local_world_size), (Some(2), Some(4)));
+        // All ranks on one host: loopback is assumed.
+        assert_eq!(c.master_addr, "127.0.0.1");
+        assert_eq!(c.source, LaunchSource::OpenMpi);
+    }
+
+    #[test]
+    fn pmi_vars_hydra_names() {
+        let c = ok(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("PMI_LOCAL_RANK", "0"),
+            ("PMI_LOCAL_SIZE", "1"),
+        ]);
+        assert_eq!((c.rank, c.world_size), (1, 2));
+        assert_eq!((c.local_rank, c.local_world_size), (Some(1), Some(2)));
+        assert_eq!(c.source, LaunchSource::Pmi);
+    }
+
+    #[test]
+    fn pmi_vars_pmi_local_names() {
+        let c = ok(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("PMI_LOCAL_RANK", "0"),
+            ("PMI_LOCAL_SIZE", "2"),
+        ]);
+        assert_eq!((c.local_rank, c.local_world_size), (Some(0), Some(2)));
+        assert_eq!(c.source, LaunchSource::Pmi);
+    }
+
+    #[test]
+    fn slurm_vars() {
+        let c = ok(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "192.168.1.10"),
+        ]);
+        assert_eq!((c.rank, c.world_size), (6, 8));
+        assert_eq!((c.local_rank, c.local_world_size), (Some(2), Some(4)));
+        assert_eq!(c.master_addr, "192.168.1.10");
+        assert_eq!(c.source, LaunchSource::Slurm);
+    }
+
+    #[test]
+    fn slurm_ntasks_per_node_only_when_plain_and_even() {
+        let base = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "5"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"),
+        ];
+        for v in ["2(x2),1", "2", "abc"] {
+            let mut vars = base.to_vec();
+            vars.push(("SLURM_NTASKS_PER_NODE", v));
+            assert_eq!(
+                ok(&vars).local_world_size,
+                None,
+                "SLURM_NTASKS_PER_NODE={v}"
+            );
+        }
+    }
+
+    #[test]
+    fn slurm_launch_node_addr_only_for_slurm() {
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"),
+        ]);
+        assert_contains(&e, &["HCOMM_MASTER_ADDR"]);
+    }
+
+    // ---- precedence ----
+
+    #[test]
+    fn hcomm_wins_over_launchers() {
+        let c = ok(&[
+            ("HCOMM_RANK", "1"),
+            ("HCOMM_WORLD_SIZE", "2"),
+            ("RANK", "7"),
+            ("WORLD_SIZE", "9"),
+            ("LOCAL_RANK", "7"),
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("HCOMM_MASTER_ADDR", "10.0.0.2"),
+            ("MASTER_ADDR", "10.0.0.3"),
+            ("HCOMM_MASTER_PORT", "4000"),
+            ("MASTER_PORT", "5000"),
+        ]);
+        assert_eq!(
+            (c.rank, c.world_size, c.source),
+            (1, 2, LaunchSource::Hcomm)
+        );
+        // Local values are not mixed in from another launcher.
+        assert_eq!(c.local_rank, None);
+        assert_eq!(c.master_addr, "10.0.0.2");
+        assert_eq!(c.master_port, 4000);
+    }
+
+    #[test]
+    fn torchrun_before_openmpi_before_pmi_before_slurm() {
+        let all = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("SLURM_PROCID", "4"),
+            ("SLURM_NTASKS", "5"),
+            ("MASTER_ADDR", "h"),
+        ];
+        let c = ok(&all);
+        assert_eq!((c.rank, c.source), (1, LaunchSource::Torchrun));
+        let c = ok(&all[2..]);
+        assert_eq!((c.rank, c.source), (2, LaunchSource::OpenMpi));
+        let c = ok(&all[4..]);
+        assert_eq!((c.rank, c.source), (3, LaunchSource::Pmi));
+        let c = ok(&all[6..]);
+        assert_eq!((c.rank, c.source), (4, LaunchSource::Slurm));
+    }
+
+    #[test]
+    fn hcomm_local_overrides_launcher_local() {
+        let c = ok(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("HCOMM_LOCAL_RANK", "1"),
+            ("HCOMM_LOCAL_WORLD_SIZE", "2"),
+            ("HCOMM_MASTER_ADDR", "a"),
+        ]);
+        assert_eq!((c.local_rank, c.local_world_size), (Some(1), Some(2)));
+    }
+
+    #[test]
+    fn empty_values_count_as_unset() {
+        let c = ok(&[
+            ("HCOMM_RANK", ""),
+            ("HCOMM_WORLD_SIZE", " "),
+            ("RANK", " 0 "),
+            ("WORLD_SIZE", "1"),
+            ("HCOMM_MASTER_ADDR", ""),
+            ("HCOMM_TIMEOUT", ""),
+        ]);
+        assert_eq!(c.source, LaunchSource::Torchrun);
+        assert_eq!(c.master_addr, "127.0.0.1");
+        assert_eq!(c.timeout, BootstrapConfig::DEFAULT_TIMEOUT);
+    }
+
+    // ---- errors ----
+
+    #[test]
+    fn partial_pairs_name_both_variables() {
+        for (set, other) in [
+            ("HCOMM_RANK", "HCOMM_WORLD_SIZE"),
+            ("HCOMM_WORLD_SIZE", "HCOMM_RANK"),
+            ("RANK", "WORLD_SIZE"),
+            ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+            ("PMI_RANK", "PMI_SIZE"),
+            ("SLURM_NTASKS", "SLURM_PROCID"),
+        ] {
+            let e = err(&[(set, "1")]);
+            assert_contains(&e, &[set, other]);
+        }
+    }
+
+    #[test]
+    fn partial_pair_is_not_completed_from_another_launcher() {
+        let e = err(&[
+            ("RANK", "0"),
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+        ]);
+        assert_contains(&e, &["RANK is set but WORLD_SIZE is not", "torchrun"]);
+    }
+
+    #[test]
+    fn bad_integers() {
+        assert_eq!(
+            err(&[("HCOMM_RANK", "abc"), ("HCOMM_WORLD_SIZE", "2")]),
+            "HCOMM_RANK=abc is not a non-negative integer"
+        );
+        for (var, v) in [
+            ("WORLD_SIZE", "-1"),
+            ("WORLD_SIZE", "+2"),
+            ("WORLD_SIZE", "2.0"),
+            ("LOCAL_RANK", "x"),
+            ("LOCAL_WORLD_SIZE", "99999999999999999999999"),
+        ] {
+            let mut vars = vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
+            vars.retain(|(k, _)| *k != var);
+            vars.push((var, v));
+            assert_eq!(
+                err(&vars),
+                format!("{var}={v} is not a non-negative integer")
+            );
+        }
+    }
+
+    #[test]
+    fn rank_out_of_range() {
+        assert_eq!(
+            err(&[("OMPI_COMM_WORLD_RANK", "4"), ("OMPI_COMM_WORLD_SIZE", "4")]),
+            "rank 4 is out of range for world size 4 (from OMPI_COMM_WORLD_RANK)"
+        );
+    }
+
+    #[test]
+    fn zero_world_size() {
+        let e = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "0")]);
+        assert_contains(&e, &["SLURM_NTASKS=0", "at least 1"]);
+        let e = err(&[
+            ("HCOMM_RANK", "0"),
+            ("HCOMM_WORLD_SIZE", "1"),
+            ("HCOMM_LOCAL_WORLD_SIZE", "0"),
+        ]);
+        assert_contains(&e, &["HCOMM_LOCAL_WORLD_SIZE=0"]);
+    }
+
+    #[test]
+    fn local_rank_out_of_range() {
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "4"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+        ]);
+        assert_eq!(
+            e,
+            "LOCAL_RANK=4 is out of range: it must be less than LOCAL_WORLD_SIZE=4"
+        );
+        // Without a local size, the local rank must still be below the world size.
+        let e = err(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "h"),
+        ]);
+        assert_contains(&e, &["SLURM_LOCALID=2", "SLURM_NTASKS=2"]);
+        // The HCOMM_ override is named when it is the culprit.
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "0"),
+            ("HCOMM_LOCAL_RANK", "5"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+        ]);
+        assert_contains(&e, &["HCOMM_LOCAL_RANK=5", "LOCAL_WORLD_SIZE=4"]);
+    }
+
+    #[test]
+    fn local_world_size_larger_than_world() {
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ]);
+        assert_eq!(
+            e,
+            "LOCAL_WORLD_SIZE=4 is larger than the world size WORLD_SIZE=2"
+        );
+    }
+
+    #[test]
+    fn nothing_set() {
+        assert_eq!(
+            err(&[("MASTER_ADDR", "h")]),
+            "no rank/world size in the environment: set HCOMM_RANK and HCOMM_WORLD_SIZE, \
+             or start under hcomm run, torchrun, mpirun or srun"
+        );
+    }
+
+    #[test]
+    fn missing_master_addr_on_multi_host() {
+        // Local size unknown.
+        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
+        assert_contains(&e, &["HCOMM_MASTER_ADDR", "torchrun"]);
+        // Local size known and smaller than the world.
+        let e = err(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ]);
+        assert_contains(&e, &["HCOMM_MASTER_ADDR"]);
+    }
+
+    #[test]
+    fn loopback_for_single_host() {
+        assert_eq!(
+            ok(&[("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")]).master_addr,
+            "127.0.0.1"
+        );
+        let c = ok(&[
+            ("HCOMM_RANK", "0"),
+            ("HCOMM_WORLD_SIZE", "3"),
+            ("HCOMM_LOCAL_WORLD_SIZE", "3"),
+        ]);
+        assert_eq!(c.master_addr, "127.0.0.1");
+    }
+
+    #[test]
+    fn bad_master_addr_and_port() {
+        let base = [("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            err(&v)
+        };
+        assert_contains(
+            &with(&[("MASTER_ADDR", "a b")]),
+            &["MASTER_ADDR", "'a b'", "whitespace"],
+        );
+        for p in ["0", "65536", "-1", "http", "+80"] {
+            assert_eq!(
+                with(&[("HCOMM_MASTER_PORT", p)]),
+                format!("HCOMM_MASTER_PORT={p} is not a valid port (expected 1-65535)")
+            );
+        }
+        assert_contains(
+            &with(&[("MASTER_PORT", "0")]),
+            &["MASTER_PORT=0", "not a valid port"],
+        );
+    }
+
+    #[test]
+    fn defaults() {
+        let c = ok(&[("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")]);
+        assert_eq!(c.master_port, 29500);
+        assert_eq!(c.master_port, BootstrapConfig::DEFAULT_PORT);
+        assert_eq!(c.timeout, Duration::from_secs(300));
+        assert_eq!(c.transport, TransportKind::Auto);
+        assert_eq!(
+            (
+                c.local_rank,
+                c.local_world_size,
+                c.host_id,
+                c.socket_ifname,
+                c.token_file
+            ),
+            (None, None, None, None, None)
+        );
+    }
+
+    #[test]
+    fn timeout_and_transport_vars() {
+        let base = [("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")];
+        let with = |k: &'static str, v: &'static str| {
+            let mut vars = base.to_vec();
+            vars.push((k, v));
+            from(&vars)
+        };
+        assert_eq!(
+            with("HCOMM_TIMEOUT", "2.5").unwrap().timeout,
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            with("HCOMM_TRANSPORT", "SHM").unwrap().transport,
+            TransportKind::Shm
+        );
+        let e = with("HCOMM_TIMEOUT", "soon").unwrap_err().to_string();
+        assert_contains(&e, &["HCOMM_TIMEOUT", "'soon'"]);
+        let e = with("HCOMM_TIMEOUT", "0").unwrap_err().to_string();
+        assert_contains(&e, &["HCOMM_TIMEOUT", "greater than zero"]);
+        let e = with("HCOMM_TRANSPORT", "rdma").unwrap_err().to_string();
+        assert_contains(&e, &["HCOMM_TRANSPORT", "'rdma'", "auto, tcp or shm"]);
+    }
+
+    #[test]
+    fn transport_kind_text() {
+        for k in [TransportKind::Auto, TransportKind::Tcp, TransportKind::Shm] {
+            assert_eq!(k.to_string().parse::<TransportKind>(), Ok(k));
+        }
+        assert_eq!(" Tcp ".parse::<TransportKind>(), Ok(TransportKind::Tcp));
+        assert!("".parse::<TransportKind>().is_err());
+        assert_eq!(LaunchSource::OpenMpi.to_string(), "Open MPI");
+        assert_eq!(LaunchSource::RankTable.to_string(), "rank table");
+    }
+
+    // ---- parse_duration ----
+
+    #[test]
+    fn parse_duration_accepts() {
+        let cases = [
+            ("30", Duration::from_secs(30)),
+            ("2.5", Duration::from_millis(2500)),
+            ("30s", Duration::from_secs(30)),
+            ("500ms", Duration::from_millis(500)),
+            ("1.5ms", Duration::from_micros(1500)),
+            ("2m", Duration::from_secs(120)),
+            ("1h", Duration::from_secs(3600)),
+            ("0.1", Duration::from_millis(100)),
+            (".5s", Duration::from_millis(500)),
+            ("5.", Duration::from_secs(5)),
+            (" 10 s ", Duration::from_secs(10)),
+            ("0", Duration::ZERO),
+            ("0.000000001", Duration::from_nanos(1)),
+        ];
+        for (s, want) in cases {
+            assert_eq!(parse_duration(s), Ok(want), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn parse_duration_rejects() {
+        for s in [
+            "", "  ", "-1", "-1s", "+1", "abc", "1x", "1e3", "1.2.3", ".", "s", "ms", "1 2", "inf",
+            "NaN", "1S", "5 min", "1d",
+        ] {
+            let e = parse_duration(s).expect_err(s);
+            if !s.trim().is_empty() {
+                assert!(e.contains(s.trim()), "{e:?} should quote {s:?}");
+            }
+        }
+        assert!(parse_duration("99999999999999999999999h")
+            .unwrap_err()
+            .contains("too large"));
+    }
+
+    // ---- rank table ----
+
+    const GOOD: &str = r#"{
+        "version": "1.0",
+        "world_size": 4,
+        "master": { "addr": "10.0.0.1", "port": 29500 },
+        "token_file": "token",
+        "timeout_s": 120,
+        "transport": "tcp",
+        "ranks": [
+            { "rank": 0, "host": "10.0.0.1", "local_rank": 0, "host_id": "node-a", "ifname": "eth0" },
+            { "rank": 2, "host": "10.0.0.2", "local_rank": 0 },
+            { "rank": 1, "host": "10.0.0.1", "local_rank": 1, "host_id": "node-a" },
+            { "rank": 3, "host": "10.0.0.2", "local_rank": 1 }
+        ]
+    }"#;
+
+    fn table_err_text(json: &str) -> String {
+        match RankTable::parse(json) {
+            Ok(t) => panic!("expected an error, got {t:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// GOOD with `from` replaced by `to` (which must occur exactly once).
+    fn edit(from: &str, to: &str) -> String {
+        assert_eq!(GOOD.matches(from).count(), 1, "{from:?}");
+        GOOD.replace(from, to)
+    }
+
+    #[test]
+    fn rank_table_parses_and_round_trips() {
+        let t = RankTable::parse(GOOD).unwrap();
+        assert_eq!(t.world_size, 4);
+        assert_eq!(t.transport, Some(TransportKind::Tcp));
+        assert_eq!(t.ranks[0].host_id.as_deref(), Some("node-a"));
+        let json = serde_json::to_string_pretty(&t).unwrap();
+        assert_eq!(RankTable::parse(&json).unwrap(), t);
+        assert!(!json.contains("null"), "absent options are omitted: {json}");
+    }
+
+    #[test]
+    fn rank_table_minimal() {
+        let t = RankTable::parse(
+            r#"{"version":"1.0","world_size":1,"master":{"addr":"localhost","port":1},
+                "ranks":[{"rank":0,"host":"::1","local_rank":0}]}"#,
+        )
+        .unwrap();
+        let c = t.bootstrap_for(0).unwrap();
+        assert_eq!(c.timeout, BootstrapConfig::DEFAULT_TIMEOUT);
+        assert_eq!(c.transport, TransportKind::Auto);
+        assert_eq!(c.host_id.as_deref(), Some("::1"));
+        assert_eq!((c.token_file, c.socket_ifname), (None, None));
+    }
+
+    #[test]
+    fn rank_table_bootstrap_for() {
+        let t = RankTable::parse(GOOD).unwrap();
+        let c = t.bootstrap_for(1).unwrap();
+        assert_eq!(
+            c,
+            BootstrapConfig {
+                rank: 1,
+                world_size: 4,
+                local_rank: Some(1),
+                local_world_size: Some(2),
+                host_id: Some("node-a".into()),
+                master_addr: "10.0.0.1".into(),
+                master_port: 29500,
+                timeout: Duration::from_secs(120),
+                transport: TransportKind::Tcp,
+                socket_ifname: None,
+                listen_host: Some("10.0.0.2".into()),
+                token_file: Some(PathBuf::from("token")),
+                source: LaunchSource::RankTable,
+            }
+        );
+        let c = t.bootstrap_for(0).unwrap();
+        assert_eq!(c.socket_ifname.as_deref(), Some("eth0"));
+        // host_id defaults to host.
+        let c = t.bootstrap_for(3).unwrap();
+        assert_eq!(c.host_id.as_deref(), Some("10.0.0.2"));
+        assert_eq!((c.local_rank, c.local_world_size), (Some(1), Some(2)));
+    }
+
+    #[test]
+    fn rank_table_rank_argument_out_of_range() {
+        let t = RankTable::parse(GOOD).unwrap();
+        let e = t.bootstrap_for(4).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "rank table: requested rank 4 is out of range for world size 4"
+        );
+    }
+
+    #[test]
+    fn rank_table_bad_json_has_line_and_column() {
+        let json = "{\n  \"version\": \"1.0\",\n  \"world_size\" 4\n}";
+        let e = RankTable::parse(json).unwrap_err();
+        match &e {
+            ConfigError::RankTableJson { line, column, .. } => {
+                assert_eq!((*line, *column), (3, 16));
+            }
+            other => panic!("{other:?}"),
+        }
+        let text = e.to_string();
+        assert!(
+            text.starts_with("rank table: JSON error at line 3 column 16: expected `:`"),
+            "{text}"
+        );
+        assert!(
+            !text.ends_with("column 16"),
+            "location not repeated: {text}"
+        );
+    }
+
+    #[test]
+    fn rank_table_unknown_field() {
+        let e = table_err_text(&edit("\"timeout_s\"", "\"timeout\""));
+        assert_contains(&e, &["unknown field `timeout`", "line 6"]);
+        let e = table_err_text(&edit("\"ifname\"", "\"iface\""));
+        assert_contains(&e, &["unknown field `iface`"]);
+        let e = table_err_text(&edit("\"port\": 29500 }", "\"port\": 29500, \"x\": 1 }"));
+        assert_contains(&e, &["unknown field `x`"]);
+    }
+
+    #[test]
+    fn rank_table_missing_and_mistyped_fields() {
+        let e = table_err_text(&edit("\"world_size\": 4,", ""));
+        assert_contains(&e, &["missing field `world_size`"]);
+        let e = table_err_text(&edit("\"port\": 29500", "\"port\": 70000"));
+        assert_contains(&e, &["70000", "u16"]);
+        let e = table_err_text(&edit("\"transport\": \"tcp\"", "\"transport\": \"rdma\""));
+        assert_contains(&e, &["rdma", "auto"]);
+    }
+
+    #[test]
+    fn rank_table_bad_version() {
+        assert_eq!(
+            table_err_text(&edit("\"1.0\"", "\"2.0\"")),
+            "rank table: unsupported version '2.0' (supported: 1.0)"
+        );
+        // Reported as a version problem even when the rest does not fit the 1.0 schema.
+        assert_eq!(
+            table_err_text(r#"{"version": "2.0", "nodes": []}"#),
+            "rank table: unsupported version '2.0' (supported: 1.0)"
+        );
+    }
+
+    #[test]
+    fn rank_table_duplicate_rank() {
+        assert_eq!(
+            table_err_text(&edit("{ \"rank\": 2,", "{ \"rank\": 0,")),
+            "rank table: ranks[1].rank: duplicate rank 0 (also at ranks[0])"
+        );
+    }
+
+    #[test]
+    fn rank_table_rank_out_of_range() {
+        assert_eq!(
+            table_err_text(&edit("{ \"rank\": 3,", "{ \"rank\": 4,")),
+            "rank table: ranks[3].rank: rank 4 is out of range for world size 4"
+        );
+    }
+
+    #[test]
+    fn rank_table_missing_rank_and_count_mismatch() {
+        let json = edit(
+            ",\n            { \"rank\": 3, \"host\": \"10.0.0.2\", \"local_rank\": 1 }",
+            "",
+        );
+        assert_eq!(
+            table_err_text(&json),
+            "rank table: missing rank 3 (world_size is 4 but 3 ranks are listed)"
+        );
+        let json = edit("\"world_size\": 4", "\"world_size\": 3");
+        assert_eq!(
+            table_err_text(&json),
+            "rank table: world_size is 3 but 4 ranks are listed"
+        );
+        let json = edit("\"world_size\": 4", "\"world_size\": 0");
+        assert_contains(&table_err_text(&json), &["world_size", "at least 1"]);
+    }
+
+    #[test]
+    fn rank_table_bad_addresses() {
+        assert_eq!(
+            table_err_text(&edit(
+                "\"host\": \"10.0.0.2\", \"local_rank\": 0",
+                "\"host\": \"10.0.0.999\", \"local_rank\": 0"
+            )),
+            "rank table: ranks[1].host: '10.0.0.999' is not a valid IP address or host name"
+        );
+        for bad in ["", "-node", "a..b", "node_1", "a b", "1.2.3", "[::1]"] {
+            let e = table_err_text(&edit(
+                "\"addr\": \"10.0.0.1\"",
+                &format!("\"addr\": \"{bad}\""),
+            ));
+            assert_contains(
+                &e,
+                &["master.addr", "is not a valid IP address or host name"],
+            );
+        }
+        for good in [
+            "node-1.cluster.local",
+            "fe80::1",
+            "localhost",
+            "a1.",
+            "10.0.0.255",
+        ] {
+            assert!(check_host(good).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn rank_table_bad_port_and_timeout() {
+        assert_eq!(
+            table_err_text(&edit("\"port\": 29500", "\"port\": 0")),
+            "rank table: master.port: 0 is not a valid port"
+        );
+        for t in ["0", "-1", "1e300"] {
+            let e = table_err_text(&edit("\"timeout_s\": 120", &format!("\"timeout_s\": {t}")));
+            assert_contains(&e, &["timeout_s", "not a positive number of seconds"]);
+        }
+    }
+
+    #[test]
+    fn rank_table_duplicate_local_rank() {
+        assert_eq!(
+            table_err_text(&edit(
+                "\"local_rank\": 1, \"host_id\": \"node-a\"",
+                "\"local_rank\": 0, \"host_id\": \"node-a\""
+            )),
+            "rank table: ranks[2].local_rank: duplicate local_rank 0 on host 'node-a' \
+             (also at ranks[0])"
+        );
+    }
+
+    #[test]
+    fn rank_table_local_rank_not_dense() {
+        let e = table_err_text(&edit(
+            "\"host\": \"10.0.0.2\", \"local_rank\": 1",
+            "\"host\": \"10.0.0.2\", \"local_rank\": 2",
+        ));
+        assert_eq!(
+            e,
+            "rank table: ranks[3].local_rank: local_rank 2 is out of range for host '10.0.0.2', \
+             which has 2 ranks (local ranks must be 0..2)"
+        );
+    }
+
+    #[test]
+    fn rank_table_bad_ifname_and_host_id() {
+        let e = table_err_text(&edit("\"ifname\": \"eth0\"", "\"ifname\": \"\""));
+        assert_contains(&e, &["ranks[0].ifname"]);
+        let e = table_err_text(&edit(
+            "\"local_rank\": 0, \"host_id\": \"node-a\"",
+            "\"local_rank\": 0, \"host_id\": \" \"",
+        ));
+        assert_contains(&e, &["ranks[0].host_id", "must not be empty"]);
+    }
+
+    #[test]
+    fn rank_table_load_names_file_and_resolves_token_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hcom_config.json");
+        std::fs::write(&path, GOOD).unwrap();
+        let t = RankTable::load(&path).unwrap();
+        assert_eq!(t.token_file, Some(dir.path().join("token")));
+
+        let abs = edit("\"token\"", "\"/etc/hcomm/token\"");
+        std::fs::write(&path, abs).unwrap();
+        let t = RankTable::load(&path).unwrap();
+        assert_eq!(t.token_file, Some(PathBuf::from("/etc/hcomm/token")));
+
+        std::fs::write(&path, edit("{ \"rank\": 2,", "{ \"rank\": 1,")).unwrap();
+        let e = RankTable::load(&path).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "rank table {}: ranks[2].rank: duplicate rank 1 (also at ranks[1])",
+                path.display()
+            )
+        );
+
+        std::fs::write(&path, "{").unwrap();
+        let e = RankTable::load(&path).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "rank table {}: JSON error at line 1",
+                path.display()
+            )),
+            "{e}"
+        );
+
+        let missing = dir.path().join("nope.json");
+        let e = RankTable::load(&missing).unwrap_err();
+        assert!(matches!(e, ConfigError::Io { .. }));
+        assert_contains(&e.to_string(), &["nope.json", "cannot read"]);
+    }
+
+    #[test]
+    fn from_rank_table_env_fills_only_gaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hcom_config.json");
+        let env: HashMap<&str, &str> = [
+            ("HCOMM_TIMEOUT", "7s"),
+            ("HCOMM_TRANSPORT", "shm"),
+            ("HCOMM_SOCKET_IFNAME", "ib0"),
+            ("HCOMM_TOKEN_FILE", "/env/token"),
+            ("HCOMM_MASTER_ADDR", "10.9.9.9"),
+        ]
+        .into_iter()
+        .collect();
+        let get = |k: &str| env.get(k).map(|v| v.to_string());
+
+        // The table names everything for rank 0: the environment is ignored.
+        std::fs::write(&path, GOOD).unwrap();
+        let c = BootstrapConfig::from_rank_table_with(&path, 0, get).unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(120));
+        assert_eq!(c.transport, TransportKind::Tcp);
+        assert_eq!(c.socket_ifname.as_deref(), Some("eth0"));
+        assert_eq!(c.token_file, Some(dir.path().join("token")));
+        assert_eq!(c.master_addr, "10.0.0.1");
+        // Rank 2 has no ifname: the environment fills it in.
+        let c = BootstrapConfig::from_rank_table_with(&path, 2, get).unwrap();
+        assert_eq!(c.socket_ifname.as_deref(), Some("ib0"));
+
+        // A table without the optional settings takes them from the environment.
+        let bare = GOOD
+            .replace("\"token_file\": \"token\",", "")
+            .replace("\"timeout_s\": 120,", "")
+            .replace("\"transport\": \"tcp\",", "");
+        std::fs::write(&path, bare).unwrap();
+        let c = BootstrapConfig::from_rank_table_with(&path, 1, get).unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(7));
+        assert_eq!(c.transport, TransportKind::Shm);
+        assert_eq!(c.socket_ifname.as_deref(), Some("ib0"));
+        assert_eq!(c.token_file, Some(PathBuf::from("/env/token")));
+        assert_eq!(c.source, LaunchSource::RankTable);
+
+        // ...and a bad value there is still an error.
+        let e = BootstrapConfig::from_rank_table_with(&path, 1, |k: &str| {
+            (k == "HCOMM_TIMEOUT").then(|| "-3".to_string())
+        })
+        .unwrap_err();
+        assert_contains(&e.to_string(), &["HCOMM_TIMEOUT", "'-3'"]);
+
+        // The requested rank must exist; the error names the file.
+        let e = BootstrapConfig::from_rank_table(&path, 9)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            format!(
+                "rank table {}: requested rank 9 is out of range for world size 4",
+                path.display()
+            )
+        );
+    }
+}

@@ -1,0 +1,168 @@
+//! Typed errors. Every error says which operation failed, at which sequence number, and which
+//! peer(s) were involved, so that a failure in a 1,000-rank job can be traced to its cause.
+
+use std::fmt;
+use std::time::Duration;
+
+/// The operation an error happened in, with the communicator's sequence number for it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpContext {
+    /// Operation name (`all_reduce`, `send`, `bootstrap`, …).
+    pub op: &'static str,
+    /// Sequence number of the operation on its communicator (0 for bootstrap).
+    pub seq: u64,
+}
+
+impl fmt::Display for OpContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (seq {})", self.op, self.seq)
+    }
+}
+
+/// Everything that can go wrong in hcomm.
+#[derive(thiserror::Error, Debug, Clone)]
+pub enum Error {
+    /// A caller passed something invalid (size, dtype, rank, root, …). Nothing was sent.
+    #[error("{ctx}: invalid argument: {msg}")]
+    InvalidArgument {
+        /// Where.
+        ctx: OpContext,
+        /// What is wrong, naming the argument.
+        msg: String,
+    },
+    /// A deadline passed while waiting for the named peers.
+    #[error("{ctx}: timed out after {after:?} waiting for rank(s) {peers:?}{}", detail_suffix(.detail))]
+    Timeout {
+        /// Where.
+        ctx: OpContext,
+        /// Ranks (in the communicator) that had not delivered / accepted data.
+        peers: Vec<usize>,
+        /// The deadline that passed.
+        after: Duration,
+        /// What was still outstanding.
+        detail: String,
+    },
+    /// A peer closed its connection or died.
+    #[error("{ctx}: rank {peer} closed the connection (process exited or failed){}", detail_suffix(.detail))]
+    PeerClosed {
+        /// Where.
+        ctx: OpContext,
+        /// The peer's rank in the communicator.
+        peer: usize,
+        /// Extra information.
+        detail: String,
+    },
+    /// Ranks called different collectives, or the same one with different arguments.
+    #[error("{ctx}: collective mismatch with rank {peer}: {msg}")]
+    Mismatch {
+        /// Where.
+        ctx: OpContext,
+        /// The peer whose call differs.
+        peer: usize,
+        /// Both sides' calls.
+        msg: String,
+    },
+    /// Sender and receiver disagree on a point-to-point message size.
+    #[error("{ctx}: message size mismatch with rank {peer} (tag {tag}): {msg}")]
+    SizeMismatch {
+        /// Where.
+        ctx: OpContext,
+        /// The other side.
+        peer: usize,
+        /// The user tag.
+        tag: u32,
+        /// Both sizes.
+        msg: String,
+    },
+    /// The peer reported a failure on its side.
+    #[error("{ctx}: rank {peer} reported an error: {msg}")]
+    Remote {
+        /// Where.
+        ctx: OpContext,
+        /// Reporting peer.
+        peer: usize,
+        /// Its message.
+        msg: String,
+    },
+    /// An operating-system level I/O error.
+    #[error("{ctx}: I/O error{}: {msg}", peer_suffix(.peer))]
+    Io {
+        /// Where.
+        ctx: OpContext,
+        /// Peer involved, if any.
+        peer: Option<usize>,
+        /// The OS error text.
+        msg: String,
+    },
+    /// Bad configuration (environment, rank table).
+    #[error("configuration error: {0}")]
+    Config(String),
+    /// The communicator failed earlier and must be rebuilt.
+    #[error("{ctx}: communicator is unusable after an earlier error: {first}")]
+    Poisoned {
+        /// Where this call was refused.
+        ctx: OpContext,
+        /// The first error.
+        first: String,
+    },
+    /// The communicator was aborted.
+    #[error("{ctx}: communicator was aborted")]
+    Aborted {
+        /// Where.
+        ctx: OpContext,
+    },
+}
+
+fn detail_suffix(d: &str) -> String {
+    if d.is_empty() {
+        String::new()
+    } else {
+        format!(" ({d})")
+    }
+}
+
+fn peer_suffix(p: &Option<usize>) -> String {
+    match p {
+        Some(p) => format!(" with rank {p}"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(op: &'static str, seq: u64, msg: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            ctx: OpContext { op, seq },
+            msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Io`].
+    pub fn io(ctx: OpContext, peer: Option<usize>, e: impl fmt::Display) -> Self {
+        Error::Io {
+            ctx,
+            peer,
+            msg: e.to_string(),
+        }
+    }
+
+    /// True for errors after which the communicator is unusable (everything except bad
+    /// arguments, which are detected before any byte moves).
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))
+    }
+
+    /// True if this is a timeout.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
+    }
+}
+
+impl From<crate::config::ConfigError> for Error {
+    fn from(e: crate::config::ConfigError) -> Self {
+        Error::Config(e.to_string())
+    }
+}
+
+/// Result type of hcomm.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

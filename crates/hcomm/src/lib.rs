@@ -1,0 +1,32 @@
+//! hcomm: collective communication for CPU processes, on one host and across hosts.
+//!
+//! ```no_run
+//! use hcomm::{Communicator, ReduceOp};
+//! let comm = Communicator::from_env()?; // under `hcomm run -n 4 -- prog`, torchrun, mpirun, srun
+//! let mut grad = vec![1.0f32; 1024];
+//! comm.all_reduce_in_place(&mut grad, ReduceOp::Sum)?;
+//! assert_eq!(grad[0], comm.world_size() as f32);
+//! # Ok::<(), hcomm::Error>(())
+//! ```
+//!
+//! Layers, top to bottom: [`Communicator`] (front end) → [`algo`] (schedules) →
+//! [`transport`] (bytes between ranks) and [`bootstrap`] (joining a job) → [`reduce`]
+//! (kernels).
+#![warn(missing_docs)]
+
+pub mod algo;
+pub mod bootstrap;
+mod collectives;
+pub mod comm;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod reduce;
+pub mod testing;
+pub mod transport;
+
+pub use algo::Algo;
+pub use comm::{Collective, Communicator, Connection};
+pub use config::BootstrapConfig;
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Error, OpContext, Result};

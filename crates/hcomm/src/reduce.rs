@@ -1,0 +1,297 @@
+//! Reduction kernels on byte buffers tagged with a [`DType`].
+//!
+//! Every algorithm combines partial results through [`reduce_into`] with an explicit operand
+//! order, so the same schedule always performs the same floating-point operations in the same
+//! order: results are bitwise reproducible run to run and identical on every rank.
+
+use crate::dtype::{DType, ReduceOp};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// Which operand comes first in `acc = a ⊕ b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    /// `acc = acc ⊕ src` (the accumulator holds the lower ranks' contribution).
+    AccFirst,
+    /// `acc = src ⊕ acc` (the incoming data holds the lower ranks' contribution).
+    SrcFirst,
+}
+
+trait Arith: bytemuck::Pod {
+    fn add(a: Self, b: Self) -> Self;
+    fn mul(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    fn div_n(a: Self, n: usize) -> Self;
+}
+
+macro_rules! int_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)] fn add(a: Self, b: Self) -> Self { a.wrapping_add(b) }
+            #[inline(always)] fn mul(a: Self, b: Self) -> Self { a.wrapping_mul(b) }
+            #[inline(always)] fn min(a: Self, b: Self) -> Self { if b < a { b } else { a } }
+            #[inline(always)] fn max(a: Self, b: Self) -> Self { if b > a { b } else { a } }
+            #[inline(always)] fn div_n(a: Self, n: usize) -> Self { a / (n as $t) }
+        }
+    )*};
+}
+int_arith!(i8, i16, i32, i64, u8, u32, u64);
+
+macro_rules! float_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)] fn add(a: Self, b: Self) -> Self { a + b }
+            #[inline(always)] fn mul(a: Self, b: Self) -> Self { a * b }
+            #[inline(always)] fn min(a: Self, b: Self) -> Self {
+                if a.is_nan() || b.is_nan() { a + b } else if b < a { b } else { a }
+            }
+            #[inline(always)] fn max(a: Self, b: Self) -> Self {
+                if a.is_nan() || b.is_nan() { a + b } else if b > a { b } else { a }
+            }
+            #[inline(always)] fn div_n(a: Self, n: usize) -> Self { a / (n as $t) }
+        }
+    )*};
+}
+float_arith!(f32, f64);
+
+fn combine_typed<T: Arith>(op: ReduceOp, acc: &mut [T], src: &[T], order: Order) {
+    let f: fn(T, T) -> T = match op {
+        ReduceOp::Sum | ReduceOp::Mean => T::add,
+        ReduceOp::Prod => T::mul,
+        ReduceOp::Min => T::min,
+        ReduceOp::Max => T::max,
+    };
+    // Two monomorphic loops so the compiler can vectorise each.
+    match order {
+        Order::AccFirst => acc.iter_mut().zip(src).for_each(|(a, &b)| *a = f(*a, b)),
+        Order::SrcFirst => acc.iter_mut().zip(src).for_each(|(a, &b)| *a = f(b, *a)),
+    }
+}
+
+/// Apply `f` to `acc` and `src` viewed as `[T]`, copying through aligned scratch when the
+/// byte buffers are not aligned for `T`.
+fn with_typed<T: bytemuck::Pod>(acc: &mut [u8], src: &[u8], f: &mut dyn FnMut(&mut [T], &[T])) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(acc),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        (Ok(a), Ok(s)) => f(a, s),
+        _ => {
+            const BLOCK: usize = 256;
+            let sz = std::mem::size_of::<T>();
+            let mut a_tmp = vec![T::zeroed(); BLOCK];
+            let mut s_tmp = vec![T::zeroed(); BLOCK];
+            for (ac, sc) in acc.chunks_mut(BLOCK * sz).zip(src.chunks(BLOCK * sz)) {
+                let n = ac.len() / sz;
+                bytemuck::cast_slice_mut::<T, u8>(&mut a_tmp[..n]).copy_from_slice(ac);
+                bytemuck::cast_slice_mut::<T, u8>(&mut s_tmp[..n]).copy_from_slice(sc);
+                f(&mut a_tmp[..n], &s_tmp[..n]);
+                ac.copy_from_slice(bytemuck::cast_slice(&a_tmp[..n]));
+            }
+        }
+    }
+}
+
+/// 16-bit floats: convert blocks to f32, combine, round back (one rounding per step).
+fn combine_half<H: bytemuck::Pod>(
+    op: ReduceOp,
+    acc: &mut [H],
+    src: &[H],
+    order: Order,
+    to_f32: fn(&[H], &mut [f32]),
+    from_f32: fn(&mut [H], &[f32]),
+) {
+    const BLOCK: usize = 512;
+    let mut a32 = [0f32; BLOCK];
+    let mut s32 = [0f32; BLOCK];
+    for (ac, sc) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let n = ac.len();
+        to_f32(ac, &mut a32[..n]);
+        to_f32(sc, &mut s32[..n]);
+        combine_typed::<f32>(op, &mut a32[..n], &s32[..n], order);
+        from_f32(ac, &a32[..n]);
+    }
+}
+
+/// `acc = acc ⊕ src` (or `src ⊕ acc`, see [`Order`]) element-wise. `ReduceOp::Mean`
+/// combines as a sum; call [`finalize_mean`] once at the end.
+///
+/// Both slices must have the same length, a multiple of `dtype.size()`.
+pub fn reduce_into(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8], order: Order) {
+    debug_assert_eq!(acc.len(), src.len());
+    debug_assert_eq!(acc.len() % dtype.size(), 0);
+    macro_rules! go {
+        ($t:ty) => {
+            with_typed::<$t>(acc, src, &mut |a, s| combine_typed::<$t>(op, a, s, order))
+        };
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::I8 => go!(i8),
+        DType::I16 => go!(i16),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        DType::U8 => go!(u8),
+        DType::U32 => go!(u32),
+        DType::U64 => go!(u64),
+        DType::F16 => with_typed::<f16>(acc, src, &mut |a, s| {
+            combine_half(
+                op,
+                a,
+                s,
+                order,
+                |h, f| h.convert_to_f32_slice(f),
+                |h, f| h.convert_from_f32_slice(f),
+            )
+        }),
+        DType::BF16 => with_typed::<bf16>(acc, src, &mut |a, s| {
+            combine_half(
+                op,
+                a,
+                s,
+                order,
+                |h, f| h.convert_to_f32_slice(f),
+                |h, f| h.convert_from_f32_slice(f),
+            )
+        }),
+    }
+}
+
+/// Divide every element by `n` (the last step of `ReduceOp::Mean`).
+pub fn finalize_mean(dtype: DType, buf: &mut [u8], n: usize) {
+    fn div<T: Arith>(b: &mut [T], n: usize) {
+        b.iter_mut().for_each(|x| *x = T::div_n(*x, n));
+    }
+    let mut scratch = Vec::new();
+    macro_rules! go {
+        ($t:ty) => {{
+            scratch.resize(buf.len(), 0u8);
+            with_typed::<$t>(buf, &scratch, &mut |a, _| div::<$t>(a, n))
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::I8 => go!(i8),
+        DType::I16 => go!(i16),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        DType::U8 => go!(u8),
+        DType::U32 => go!(u32),
+        DType::U64 => go!(u64),
+        DType::F16 => {
+            for x in bytemuck::cast_slice_mut::<u8, [u8; 2]>(buf) {
+                *x = f16::from_f32(f16::from_le_bytes(*x).to_f32() / n as f32).to_le_bytes();
+            }
+        }
+        DType::BF16 => {
+            for x in bytemuck::cast_slice_mut::<u8, [u8; 2]>(buf) {
+                *x = bf16::from_f32(bf16::from_le_bytes(*x).to_f32() / n as f32).to_le_bytes();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+        bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn sum_prod_min_max_f32() {
+        let a = [1.0f32, -2.0, 3.5, f32::NAN];
+        let b = [4.0f32, 5.0, -1.0, 1.0];
+        for (op, want) in [
+            (ReduceOp::Sum, [5.0f32, 3.0, 2.5]),
+            (ReduceOp::Prod, [4.0, -10.0, -3.5]),
+            (ReduceOp::Min, [1.0, -2.0, -1.0]),
+            (ReduceOp::Max, [4.0, 5.0, 3.5]),
+        ] {
+            let mut acc = bytes(&a);
+            reduce_into(DType::F32, op, &mut acc, &bytes(&b), Order::AccFirst);
+            let got: &[f32] = bytemuck::cast_slice(&acc);
+            assert_eq!(&got[..3], &want, "{op}");
+            assert!(got[3].is_nan(), "{op} must propagate NaN");
+        }
+    }
+
+    #[test]
+    fn integers_wrap_and_mean_truncates() {
+        let mut acc = bytes(&[i8::MAX, -7]);
+        reduce_into(
+            DType::I8,
+            ReduceOp::Sum,
+            &mut acc,
+            &bytes(&[1i8, 0]),
+            Order::AccFirst,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, i8>(&acc), &[i8::MIN, -7]);
+        finalize_mean(DType::I8, &mut acc, 2);
+        assert_eq!(bytemuck::cast_slice::<u8, i8>(&acc), &[-64, -3]);
+    }
+
+    #[test]
+    fn half_types_round_once_per_step() {
+        let a: Vec<f16> = [1.0f32, 2.0, 2048.0]
+            .iter()
+            .map(|&x| f16::from_f32(x))
+            .collect();
+        let b: Vec<f16> = [0.5f32, 3.0, 1.0]
+            .iter()
+            .map(|&x| f16::from_f32(x))
+            .collect();
+        let mut acc = bytes(&a);
+        reduce_into(
+            DType::F16,
+            ReduceOp::Sum,
+            &mut acc,
+            &bytes(&b),
+            Order::AccFirst,
+        );
+        let got: Vec<f32> = bytemuck::cast_slice::<u8, f16>(&acc)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        assert_eq!(got, vec![1.5, 5.0, 2048.0]); // 2049 is not representable in f16
+        let a: Vec<bf16> = [3.0f32, 256.0].iter().map(|&x| bf16::from_f32(x)).collect();
+        let mut acc = bytes(&a);
+        reduce_into(
+            DType::BF16,
+            ReduceOp::Max,
+            &mut acc,
+            &bytes(&a),
+            Order::SrcFirst,
+        );
+        finalize_mean(DType::BF16, &mut acc, 2);
+        let got: Vec<f32> = bytemuck::cast_slice::<u8, bf16>(&acc)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        assert_eq!(got, vec![1.5, 128.0]);
+    }
+
+    #[test]
+    fn unaligned_buffers_are_handled() {
+        let v: Vec<f64> = (0..300).map(|i| i as f64).collect();
+        let raw = bytes(&v);
+        let mut acc = vec![0u8; raw.len() + 1];
+        acc[1..].copy_from_slice(&raw);
+        let mut src = vec![0u8; raw.len() + 3];
+        src[3..].copy_from_slice(&raw);
+        reduce_into(
+            DType::F64,
+            ReduceOp::Sum,
+            &mut acc[1..],
+            &src[3..],
+            Order::AccFirst,
+        );
+        let mut out = vec![0f64; 300];
+        bytemuck::cast_slice_mut::<f64, u8>(&mut out).copy_from_slice(&acc[1..]);
+        assert!(out.iter().enumerate().all(|(i, &x)| x == 2.0 * i as f64));
+    }
+}

@@ -1,0 +1,344 @@
+//! Correctness tooling shared by the test suite, `hcomm check` and `hcomm demo`: deterministic
+//! inputs every rank can regenerate for every other rank, a plain CPU reference for each
+//! collective, and helpers to run several ranks as threads of one process.
+//!
+//! Inputs are small integers (also for float types), so every summation order gives exactly the
+//! same result and the comparison with the reference can be bitwise.
+
+use crate::comm::{Collective, Communicator};
+use crate::config::{BootstrapConfig, LaunchSource, TransportKind};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Result;
+use crate::Algo;
+use half::{bf16, f16};
+use std::time::Duration;
+
+/// A configuration for `rank` of a `size`-rank job on this host, rendezvous on
+/// 127.0.0.1:`port`.
+pub fn local_config(rank: usize, size: usize, port: u16, timeout: Duration) -> BootstrapConfig {
+    BootstrapConfig {
+        rank,
+        world_size: size,
+        local_rank: Some(rank),
+        local_world_size: Some(size),
+        host_id: Some("local-test-host".into()),
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        timeout,
+        transport: TransportKind::Tcp,
+        socket_ifname: None,
+        listen_host: None,
+        token_file: None,
+        source: LaunchSource::Hcomm,
+    }
+}
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Run `f` on `n` ranks, each a thread with its own communicator, and return each rank's result
+/// (index = rank). Bootstrap failures are returned as that rank's error.
+pub fn run_threads<R, F>(n: usize, timeout: Duration, f: F) -> Vec<Result<R>>
+where
+    R: Send,
+    F: Fn(Communicator) -> Result<R> + Sync,
+{
+    let port = free_port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    Communicator::from_config(&local_config(r, n, port, timeout)).and_then(f)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Value (as f64) of element `i` of rank `rank`'s input for a test with `seed`.
+pub fn input_value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: u64) -> f64 {
+    let h = (i as u64)
+        .wrapping_mul(7)
+        .wrapping_add(rank as u64 * 13)
+        .wrapping_add(seed.wrapping_mul(31))
+        % 1009;
+    let signed = !matches!(dtype, DType::U8 | DType::U32 | DType::U64);
+    match op {
+        ReduceOp::Prod => {
+            let v = [1.0, 2.0, -1.0, 1.0, 1.0][(h % 5) as usize];
+            if signed {
+                v
+            } else {
+                v.abs()
+            }
+        }
+        ReduceOp::Min | ReduceOp::Max => {
+            if signed {
+                (h % 101) as f64 - 50.0
+            } else {
+                (h % 101) as f64
+            }
+        }
+        ReduceOp::Sum | ReduceOp::Mean => {
+            if signed {
+                (h % 7) as f64 - 3.0
+            } else {
+                (h % 7) as f64
+            }
+        }
+    }
+}
+
+/// Encode f64 values (small integers) as `dtype` bytes.
+pub fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+            DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
+            DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+            DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
+            DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
+            DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Rank `rank`'s input of `count` elements.
+pub fn input(dtype: DType, op: ReduceOp, rank: usize, count: usize, seed: u64) -> Vec<u8> {
+    let vals: Vec<f64> = (0..count)
+        .map(|i| input_value(dtype, op, rank, i, seed))
+        .collect();
+    encode(dtype, &vals)
+}
+
+/// The reference reduction of element `i` over `n` ranks, computed in f64 (exact for the small
+/// integer inputs), with `Mean` as the integer-truncating or float division the library
+/// documents.
+pub fn reference_value(dtype: DType, op: ReduceOp, n: usize, i: usize, seed: u64) -> f64 {
+    let vals = (0..n).map(|r| input_value(dtype, op, r, i, seed));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Mean => {
+            let s: f64 = vals.sum();
+            if dtype.is_float() {
+                s / n as f64
+            } else {
+                (s / n as f64).trunc()
+            }
+        }
+    }
+}
+
+/// Reference reduction of `count` elements as `dtype` bytes.
+pub fn reference(dtype: DType, op: ReduceOp, n: usize, count: usize, seed: u64) -> Vec<u8> {
+    let vals: Vec<f64> = (0..count)
+        .map(|i| reference_value(dtype, op, n, i, seed))
+        .collect();
+    encode(dtype, &vals)
+}
+
+/// One correctness case.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// Which collective.
+    pub coll: Collective,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction (ignored by non-reducing collectives).
+    pub op: ReduceOp,
+    /// Elements per rank (per block for gather/scatter/all-gather/reduce-scatter/all-to-all).
+    pub count: usize,
+    /// Root of rooted collectives.
+    pub root: usize,
+    /// In-place variant.
+    pub in_place: bool,
+    /// Algorithm to force (`Auto` = selector's choice).
+    pub algo: Algo,
+    /// Seed of the inputs.
+    pub seed: u64,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} dtype={} op={} count={} root={} {} algo={} seed={}",
+            self.coll.name(),
+            self.dtype,
+            self.op,
+            self.count,
+            self.root,
+            if self.in_place {
+                "in-place"
+            } else {
+                "out-of-place"
+            },
+            self.algo,
+            self.seed
+        )
+    }
+}
+
+fn first_diff(dtype: DType, got: &[u8], want: &[u8]) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("length {} != expected {}", got.len(), want.len()));
+    }
+    let es = dtype.size();
+    let bad: Vec<usize> = (0..got.len() / es)
+        .filter(|&i| got[i * es..(i + 1) * es] != want[i * es..(i + 1) * es])
+        .collect();
+    let &i = bad.first()?;
+    Some(format!(
+        "{} wrong element(s), first at index {i}: got bytes {:02x?}, expected {:02x?}",
+        bad.len(),
+        &got[i * es..(i + 1) * es],
+        &want[i * es..(i + 1) * es]
+    ))
+}
+
+/// How many elements of `got` differ from `want` (the `#wrong` column of benchmarks).
+pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8]) -> usize {
+    let es = dtype.size();
+    if got.len() != want.len() {
+        return got.len().max(want.len()) / es;
+    }
+    got.chunks(es)
+        .zip(want.chunks(es))
+        .filter(|(a, b)| a != b)
+        .count()
+}
+
+/// Run `case` on `comm` and compare this rank's result with the reference. `Ok(None)` means
+/// correct, `Ok(Some(msg))` a wrong result, `Err` an operation error.
+pub fn run_case(comm: &Communicator, case: &Case) -> Result<Option<String>> {
+    let n = comm.world_size();
+    let me = comm.rank();
+    let (dt, op, c, root, seed) = (case.dtype, case.op, case.count, case.root, case.seed);
+    let es = dt.size();
+    comm.set_algorithm(case.coll, case.algo)?;
+    let inp = |r: usize, cnt: usize| input(dt, op, r, cnt, seed);
+    let diff = match case.coll {
+        Collective::AllReduce => {
+            let send = inp(me, c);
+            let mut recv = vec![0u8; c * es];
+            if case.in_place {
+                recv.copy_from_slice(&send);
+                comm.all_reduce_bytes(None, &mut recv, dt, op)?;
+            } else {
+                comm.all_reduce_bytes(Some(&send), &mut recv, dt, op)?;
+            }
+            first_diff(dt, &recv, &reference(dt, op, n, c, seed))
+        }
+        Collective::Reduce => {
+            let send = inp(me, c);
+            let mut recv = if case.in_place {
+                send.clone()
+            } else {
+                vec![0u8; if me == root { c * es } else { 0 }]
+            };
+            if case.in_place {
+                comm.reduce_bytes(None, &mut recv, dt, op, root)?;
+            } else {
+                comm.reduce_bytes(Some(&send), &mut recv, dt, op, root)?;
+            }
+            if me == root {
+                first_diff(dt, &recv, &reference(dt, op, n, c, seed))
+            } else if case.in_place {
+                first_diff(dt, &recv, &send).map(|m| format!("non-root input modified: {m}"))
+            } else {
+                None
+            }
+        }
+        Collective::ReduceScatter => {
+            // Block b of rank r = elements [b*c, (b+1)*c) of a (n*c)-element input.
+            let send = inp(me, n * c);
+            let full = reference(dt, op, n, n * c, seed);
+            let want = &full[me * c * es..(me + 1) * c * es];
+            if case.in_place {
+                let mut buf = send.clone();
+                let counts = vec![c; n];
+                comm.reduce_scatter_v_bytes(None, &mut buf, &counts, dt, op)?;
+                let mut expect = send.clone();
+                expect[me * c * es..(me + 1) * c * es].copy_from_slice(want);
+                first_diff(dt, &buf, &expect)
+            } else {
+                let mut recv = vec![0u8; c * es];
+                comm.reduce_scatter_v_bytes(Some(&send), &mut recv, &vec![c; n], dt, op)?;
+                first_diff(dt, &recv, want)
+            }
+        }
+        Collective::AllGather => {
+            let want: Vec<u8> = (0..n).flat_map(|r| inp(r, c)).collect();
+            let mut recv = vec![0u8; n * c * es];
+            if case.in_place {
+                recv[me * c * es..(me + 1) * c * es].copy_from_slice(&inp(me, c));
+                comm.all_gather_v_bytes(None, &mut recv, &vec![c; n], dt)?;
+            } else {
+                comm.all_gather_v_bytes(Some(&inp(me, c)), &mut recv, &vec![c; n], dt)?;
+            }
+            first_diff(dt, &recv, &want)
+        }
+        Collective::Broadcast => {
+            let want = inp(root, c);
+            let mut buf = if me == root {
+                want.clone()
+            } else {
+                vec![0u8; c * es]
+            };
+            comm.broadcast_bytes(&mut buf, dt, root)?;
+            first_diff(dt, &buf, &want)
+        }
+        Collective::Gather => {
+            let mut recv = vec![0u8; if me == root { n * c * es } else { 0 }];
+            comm.gather_v_bytes(&inp(me, c), &mut recv, &vec![c; n], dt, root)?;
+            if me == root {
+                let want: Vec<u8> = (0..n).flat_map(|r| inp(r, c)).collect();
+                first_diff(dt, &recv, &want)
+            } else {
+                None
+            }
+        }
+        Collective::Scatter => {
+            let all = inp(root, n * c);
+            let send = if me == root { all.clone() } else { Vec::new() };
+            let mut recv = vec![0u8; c * es];
+            comm.scatter_v_bytes(&send, &mut recv, &vec![c; n], dt, root)?;
+            first_diff(dt, &recv, &all[me * c * es..(me + 1) * c * es])
+        }
+        Collective::AllToAll => {
+            // Rank r's input: n blocks of c; block p goes to rank p.
+            let send = inp(me, n * c);
+            let mut recv = vec![0u8; n * c * es];
+            comm.all_to_all_v_bytes(&send, &vec![c; n], &mut recv, &vec![c; n], dt)?;
+            let want: Vec<u8> = (0..n)
+                .flat_map(|p| inp(p, n * c)[me * c * es..(me + 1) * c * es].to_vec())
+                .collect();
+            first_diff(dt, &recv, &want)
+        }
+        Collective::Barrier => {
+            comm.barrier()?;
+            None
+        }
+    };
+    Ok(diff)
+}
