@@ -1,1 +1,380 @@
-fn main() {}
+//! `hcomm`: launcher, demo, correctness check and benchmark for the hcomm library.
+
+use clap::{Args, Parser, Subcommand};
+use hcomm::{Algo, Collective, Communicator, DType, ReduceOp};
+use hcomm_cli::bench::{self, BenchOp, BenchOpts};
+use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
+use hcomm_cli::workers::{args_without, in_job, spawn_self};
+use hcomm_cli::{check, demo};
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "hcomm",
+    version,
+    about = "Collective communication for CPU processes: launcher, demo, check, bench"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start N local ranks of PROGRAM with the hcomm (and torchrun) launch variables set.
+    Run(RunArgs),
+    /// Run every primitive on N local ranks, check each against a CPU reference, print a table.
+    Demo(DemoArgs),
+    /// Correctness sweep: every collective × algorithm × dtype × op × size × root against a CPU reference.
+    Check(CheckArgs),
+    /// Benchmark an operation in the nccl-tests format.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Ranks to start on this node.
+    #[arg(short = 'n', long = "nprocs", default_value_t = 1)]
+    nprocs: usize,
+    /// Number of nodes (each runs `hcomm run` with its --node-rank).
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Rendezvous address HOST:PORT (default 127.0.0.1 and a free port).
+    #[arg(long)]
+    master: Option<String>,
+    /// Do not prefix output lines with the rank.
+    #[arg(long)]
+    no_prefix: bool,
+    /// Milliseconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, default_value_t = 3000)]
+    grace_ms: u64,
+    /// Master port (alternative to --master).
+    #[arg(long)]
+    port: Option<u16>,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    program: Vec<OsString>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Ranks to start.
+    #[arg(short = 'n', long = "nprocs", default_value_t = 4)]
+    nprocs: usize,
+    /// Message size in bytes for the timed rows.
+    #[arg(long, default_value_t = 4 << 20)]
+    size: usize,
+    /// Timed iterations per row.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// Start this many local ranks (omit when running under a launcher).
+    #[arg(long = "np")]
+    np: Option<usize>,
+    /// Small sweep (3 dtypes, sizes up to 1031).
+    #[arg(long)]
+    quick: bool,
+    /// Comma-separated collectives (default: all).
+    #[arg(long, value_delimiter = ',')]
+    colls: Vec<String>,
+    /// Comma-separated dtypes (default: all).
+    #[arg(long, value_delimiter = ',')]
+    dtypes: Vec<String>,
+    /// Comma-separated reduce ops (default: all).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
+    /// Comma-separated element counts.
+    #[arg(long, value_delimiter = ',')]
+    counts: Vec<usize>,
+    /// Input seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print every case.
+    #[arg(short, long)]
+    verbose: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// allreduce, allgather, reducescatter, broadcast, reduce, gather, scatter, alltoall, barrier, sendrecv
+    op: String,
+    /// Start this many local ranks (omit when running under a launcher).
+    #[arg(long = "np")]
+    np: Option<usize>,
+    /// Minimum size in bytes (K/M/G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Maximum size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Size multiplication factor.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    factor: usize,
+    /// Warm-up iterations.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Timed iterations.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Check results (1) or not (0).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    check: u8,
+    /// Element type.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    dtype: String,
+    /// Reduction.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    redop: String,
+    /// Root rank.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
+    /// Force an algorithm (ring, rd, tree, chain, …).
+    #[arg(long, default_value = "auto")]
+    algo: String,
+    /// Transport (tcp; shm arrives with the shared-memory transport).
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// One JSON object per row instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('k' | 'K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("'{s}' is not a size (e.g. 8, 64K, 16M, 1G)"))
+}
+
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(code.clamp(0, 255) as u8)
+}
+
+fn join() -> Result<Communicator, ExitCode> {
+    Communicator::from_env().map_err(|e| {
+        hcomm_cli::say!("hcomm: cannot join the job: {e}");
+        ExitCode::from(1)
+    })
+}
+
+fn cmd_run(a: RunArgs) -> ExitCode {
+    let mut program = a.program.into_iter();
+    let Some(prog) = program.next() else {
+        hcomm_cli::say!("hcomm run: no program given");
+        return ExitCode::from(2);
+    };
+    let mut spec = LaunchSpec::new(a.nprocs, prog, program.collect::<Vec<_>>());
+    spec.nnodes = a.nnodes;
+    spec.node_rank = a.node_rank;
+    spec.prefix_output = !a.no_prefix;
+    spec.grace = Duration::from_millis(a.grace_ms);
+    spec.master_port = a.port;
+    if let Some(m) = a.master {
+        match m
+            .rsplit_once(':')
+            .map(|(h, p)| (h.to_string(), p.parse::<u16>()))
+        {
+            Some((h, Ok(p))) => {
+                spec.master_addr = h;
+                spec.master_port = Some(p);
+            }
+            _ => {
+                hcomm_cli::say!("hcomm run: --master must be HOST:PORT, got '{m}'");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    match launch(&spec) {
+        Ok(code) => exit(code),
+        Err(e) => {
+            hcomm_cli::say!("hcomm run: {e}");
+            ExitCode::from(if matches!(e, LaunchError::Spawn { .. }) {
+                127
+            } else {
+                1
+            })
+        }
+    }
+}
+
+fn cmd_demo(a: DemoArgs) -> ExitCode {
+    if !in_job() {
+        return exit(spawn_self(a.nprocs, args_without(&["-n", "--nprocs"])));
+    }
+    let comm = match join() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match demo::run(&comm, a.size, a.iters) {
+        Ok(rows) => {
+            if comm.rank() == 0 {
+                demo::print(&rows, comm.world_size());
+            }
+            if rows.iter().all(|r| r.correct) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            hcomm_cli::say!("hcomm demo: rank {}: {e}", comm.rank());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn parse_list<T, F: Fn(&str) -> Result<T, String>>(
+    items: &[String],
+    f: F,
+) -> Result<Vec<T>, String> {
+    items.iter().map(|s| f(s)).collect()
+}
+
+fn cmd_check(a: CheckArgs) -> ExitCode {
+    if let (Some(np), false) = (a.np, in_job()) {
+        return exit(spawn_self(np, args_without(&["--np", "-np"])));
+    }
+    let mut o = if a.quick {
+        check::CheckOpts::quick()
+    } else {
+        check::CheckOpts::full()
+    };
+    let parsed = (|| -> Result<(), String> {
+        if !a.colls.is_empty() {
+            o.colls = parse_list(&a.colls, |s| {
+                Collective::parse(s).ok_or(format!("unknown collective '{s}'"))
+            })?;
+        }
+        if !a.dtypes.is_empty() {
+            o.dtypes = parse_list(&a.dtypes, |s| s.parse::<DType>())?;
+        }
+        if !a.ops.is_empty() {
+            o.ops = parse_list(&a.ops, |s| s.parse::<ReduceOp>())?;
+        }
+        if !a.counts.is_empty() {
+            o.counts = a.counts.clone();
+        }
+        Ok(())
+    })();
+    if let Err(e) = parsed {
+        hcomm_cli::say!("hcomm check: {e}");
+        return ExitCode::from(2);
+    }
+    o.seed = a.seed;
+    o.verbose = a.verbose;
+    let comm = match join() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let start = std::time::Instant::now();
+    match check::run(&comm, &o) {
+        Ok((cases, failed)) => {
+            if comm.rank() == 0 {
+                println!(
+                    "hcomm check: {} ranks: {cases} cases, {} passed, {failed} failed ({:.1} s)",
+                    comm.world_size(),
+                    cases - failed,
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            if failed == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            hcomm_cli::say!("hcomm check: rank {}: operation failed: {e}", comm.rank());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn cmd_bench(a: BenchArgs) -> ExitCode {
+    if let (Some(np), false) = (a.np, in_job()) {
+        return exit(spawn_self(np, args_without(&["--np", "-np"])));
+    }
+    let parsed = (|| -> Result<BenchOpts, String> {
+        Ok(BenchOpts {
+            op: BenchOp::parse(&a.op).ok_or(format!("unknown operation '{}'", a.op))?,
+            min_bytes: a.min_bytes,
+            max_bytes: a.max_bytes.max(a.min_bytes),
+            factor: a.factor,
+            warmup: a.warmup,
+            iters: a.iters,
+            check: a.check != 0,
+            dtype: a.dtype.parse()?,
+            redop: a.redop.parse()?,
+            root: a.root,
+            algo: a.algo.parse::<Algo>()?,
+        })
+    })();
+    let o = match parsed {
+        Ok(o) => o,
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if a.transport != "tcp" {
+        hcomm_cli::say!(
+            "hcomm bench: transport '{}' is not available yet (tcp only)",
+            a.transport
+        );
+        return ExitCode::from(2);
+    }
+    let comm = match join() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if o.root >= comm.world_size() {
+        hcomm_cli::say!(
+            "hcomm bench: root {} is out of range for {} ranks",
+            o.root,
+            comm.world_size()
+        );
+        return ExitCode::from(2);
+    }
+    match bench::run(&comm, &o, a.json) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench: rank {}: {e}", comm.rank());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    // Accept MPI/nccl-tests style `-np N` as `--np N`.
+    let args: Vec<OsString> = std::env::args_os()
+        .map(|a| {
+            if a == "-np" {
+                OsString::from("--np")
+            } else {
+                a
+            }
+        })
+        .collect();
+    let cli = Cli::parse_from(args);
+    match cli.cmd {
+        Cmd::Run(a) => cmd_run(a),
+        Cmd::Demo(a) => cmd_demo(a),
+        Cmd::Check(a) => cmd_check(a),
+        Cmd::Bench(a) => cmd_bench(a),
+    }
+}

@@ -8,7 +8,7 @@ use crate::config::{BootstrapConfig, LaunchSource};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::transport::frame::{Header, Kind};
-use crate::transport::tcp::{RecvOp, SendOp, TcpLinks};
+use crate::transport::tcp::{RecvOp, SendOp, TcpLinks, EAGER_MAX};
 use crate::transport::wait::WaitPolicy;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -360,13 +360,15 @@ impl Communicator {
             .max(local_size_hint.unwrap_or(0).min(size))
             .max(1);
         let policy = WaitPolicy::for_local_ranks(local_size);
-        let links = TcpLinks::new(
+        let mut links = TcpLinks::new(
             rank,
             listener,
             peers.iter().map(|p| p.addr).collect(),
             hash64(&comm_id),
             policy,
         );
+        let aborted = Arc::new(AtomicBool::new(false));
+        links.set_abort_flag(aborted.clone());
         drop(store);
         Ok(Communicator {
             rank,
@@ -380,7 +382,7 @@ impl Communicator {
             timeout: Mutex::new(timeout),
             thresholds: Thresholds::default(),
             policy,
-            aborted: Arc::new(AtomicBool::new(false)),
+            aborted,
             inner: Mutex::new(Inner {
                 links,
                 seq: 0,
@@ -481,8 +483,12 @@ impl Communicator {
         Ok((inner, ctx))
     }
 
-    fn finish<T>(inner: &mut Inner, r: Result<T>) -> Result<T> {
-        inner.seq += 1;
+    /// Account for a finished operation: collectives advance the sequence number (which every
+    /// rank must agree on); any fatal error poisons the communicator.
+    fn finish<T>(inner: &mut Inner, collective: bool, r: Result<T>) -> Result<T> {
+        if collective {
+            inner.seq += 1;
+        }
         if let Err(e) = &r {
             if e.is_fatal() && inner.poisoned.is_none() {
                 inner.poisoned = Some(e.to_string());
@@ -491,25 +497,41 @@ impl Communicator {
         r
     }
 
+    fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {
+        if forced != Algo::Auto {
+            return forced;
+        }
+        match coll {
+            Collective::AllReduce if bytes <= self.thresholds.allreduce_rd_max => {
+                Algo::RecursiveDoubling
+            }
+            Collective::AllReduce => Algo::Ring,
+            Collective::Broadcast | Collective::Reduce
+                if bytes <= self.thresholds.tree_max || self.size <= 2 =>
+            {
+                Algo::Tree
+            }
+            Collective::Broadcast | Collective::Reduce => Algo::Chain,
+            c => c.algorithms()[0],
+        }
+    }
+
+    /// The algorithm the selector would use for `coll` on `bytes` bytes per rank (after
+    /// `HCOMM_ALGO` and [`set_algorithm`](Self::set_algorithm)).
+    pub fn algorithm_for(&self, coll: Collective, bytes: usize) -> Algo {
+        let forced = self
+            .inner
+            .lock()
+            .map(|i| i.algo.get(&coll).copied())
+            .ok()
+            .flatten()
+            .unwrap_or(Algo::Auto);
+        self.select(coll, bytes, forced)
+    }
+
     fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize) -> Algo {
         let forced = inner.algo.get(&coll).copied().unwrap_or(Algo::Auto);
-        let algo = if forced != Algo::Auto {
-            forced
-        } else {
-            match coll {
-                Collective::AllReduce if bytes <= self.thresholds.allreduce_rd_max => {
-                    Algo::RecursiveDoubling
-                }
-                Collective::AllReduce => Algo::Ring,
-                Collective::Broadcast | Collective::Reduce
-                    if bytes <= self.thresholds.tree_max || self.size <= 2 =>
-                {
-                    Algo::Tree
-                }
-                Collective::Broadcast | Collective::Reduce => Algo::Chain,
-                c => c.algorithms()[0],
-            }
-        };
+        let algo = self.select(coll, bytes, forced);
         if inner.logged.insert((coll, algo)) {
             tracing::info!(
                 rank = self.rank,
@@ -584,7 +606,7 @@ impl Communicator {
             };
             body(&mut run, algo)
         };
-        Self::finish(&mut inner, result)
+        Self::finish(&mut inner, true, result)
     }
 
     pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
@@ -687,68 +709,8 @@ impl Communicator {
         }
         let (mut inner, ctx) = self.lock(op)?;
         let deadline = Instant::now() + self.timeout();
-        let result = (|| {
-            // Phase 1: announce our receive; wait for the peer's announcement of theirs.
-            let ready_hdr = recv.as_ref().map(|(_, tag, b)| Header {
-                count: b.len() as u64,
-                ..Header::new(Kind::Ready, *tag, 0)
-            });
-            let mut sends: Vec<SendOp> = Vec::new();
-            if let (Some((p, _, _)), Some(h)) = (&recv, ready_hdr) {
-                sends.push(SendOp::new(*p, h, &[]));
-            }
-            let mut recvs: Vec<RecvOp> = Vec::new();
-            if let Some((p, tag, _)) = &send {
-                recvs.push(RecvOp::control(*p, Kind::Ready, *tag));
-            }
-            inner
-                .links
-                .exchange(&ctx, &mut sends, &mut recvs, deadline)?;
-            // Phase 2: data (or an empty frame that reports the size mismatch to the receiver).
-            let mut mismatch = None;
-            let mut sends: Vec<SendOp> = Vec::new();
-            if let Some((p, tag, data)) = &send {
-                let ready = recvs[0].header().expect("complete");
-                let theirs = ready.count as usize;
-                let hdr = Header {
-                    count: data.len() as u64,
-                    ..Header::new(Kind::P2p, *tag, 0)
-                };
-                if theirs != data.len() {
-                    mismatch = Some(Error::SizeMismatch {
-                        ctx: ctx.clone(),
-                        peer: *p,
-                        tag: *tag,
-                        msg: format!(
-                            "this rank sends {} bytes, rank {p} posted a {theirs}-byte receive",
-                            data.len()
-                        ),
-                    });
-                    sends.push(SendOp::new(*p, hdr, &[]));
-                } else {
-                    sends.push(SendOp::new(
-                        *p,
-                        Header {
-                            len: data.len() as u64,
-                            ..hdr
-                        },
-                        data,
-                    ));
-                }
-            }
-            let mut recvs: Vec<RecvOp> = Vec::new();
-            if let Some((p, tag, buf)) = recv {
-                recvs.push(RecvOp::p2p(p, tag, buf));
-            }
-            inner
-                .links
-                .exchange(&ctx, &mut sends, &mut recvs, deadline)?;
-            match mismatch {
-                Some(e) => Err(e),
-                None => Ok(()),
-            }
-        })();
-        Self::finish(&mut inner, result)
+        let result = p2p_protocol(&mut inner.links, &ctx, send, recv, deadline);
+        Self::finish(&mut inner, false, result)
     }
 
     /// Post a signal to `peer` (does not wait). Signals with the same (peer, tag) are counted:
@@ -768,21 +730,23 @@ impl Communicator {
         let deadline = Instant::now() + self.timeout();
         let mut sends = vec![SendOp::new(peer, Header::new(kind, tag, 0), &[])];
         let r = inner.links.exchange(&ctx, &mut sends, &mut [], deadline);
-        Self::finish(&mut inner, r)
+        Self::finish(&mut inner, false, r)
     }
 
     fn control_recv(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
         self.check_peer(op, peer)?;
         let (mut inner, ctx) = self.lock(op)?;
         let deadline = Instant::now() + self.timeout();
-        let mut recvs = vec![RecvOp::control(peer, kind, tag)];
+        let mut recvs = vec![RecvOp::control(peer, &[kind], tag)];
         let r = inner.links.exchange(&ctx, &mut [], &mut recvs, deadline);
-        Self::finish(&mut inner, r)
+        Self::finish(&mut inner, false, r)
     }
 
-    /// Open a connection to `peer` identified by `tag` (both ranks call `connect` with each
-    /// other's rank and the same tag). Messages on it are matched by (peer, tag).
+    /// Open a connection to `peer` identified by `tag` (HCCL's `CreateConnection`). Both ranks
+    /// call `connect` with each other's rank and the same tag, in any order: the handshake is
+    /// sent at once and checked by the first transfer on the connection.
     pub fn connect(&self, peer: usize, tag: u32) -> Result<Connection<'_>> {
+        self.check_peer("connect", peer)?;
         {
             let inner = self.inner.lock().unwrap();
             if inner.open_conns.contains(&(peer, tag)) {
@@ -794,13 +758,13 @@ impl Communicator {
             }
         }
         self.control_send("connect", peer, Kind::Connect, tag)?;
-        self.control_recv("connect", peer, Kind::Connect, tag)?;
         self.inner.lock().unwrap().open_conns.insert((peer, tag));
         Ok(Connection {
             comm: self,
             peer,
             tag,
             open: true,
+            confirmed: std::cell::Cell::new(false),
         })
     }
 
@@ -901,6 +865,154 @@ impl Communicator {
     }
 }
 
+/// The point-to-point protocol. Messages up to [`EAGER_MAX`] bytes go at once (the receiver
+/// buffers them if its receive is not posted yet, so messages match by (peer, tag) whatever
+/// order they are posted in); larger ones announce themselves (RTS), wait for the receiver's
+/// Ready, then send. A size mismatch fails the receive at once and is reported to the sender
+/// (Nack): at once for large messages, at its next point-to-point call with that peer for
+/// eager ones.
+fn p2p_protocol(
+    links: &mut TcpLinks,
+    ctx: &OpContext,
+    send: Option<(usize, u32, &[u8])>,
+    recv: Option<(usize, u32, &mut [u8])>,
+    deadline: Instant,
+) -> Result<()> {
+    let size_err = |peer: usize, tag: u32, msg: String| Error::SizeMismatch {
+        ctx: ctx.clone(),
+        peer,
+        tag,
+        msg,
+    };
+    for p in send.iter().map(|s| s.0).chain(recv.iter().map(|r| r.0)) {
+        if let Some(n) = links.take_nack(p) {
+            return Err(size_err(
+                p,
+                n.tag,
+                format!(
+                    "an earlier message with tag {} to rank {p} did not match its {}-byte receive",
+                    n.tag, n.count
+                ),
+            ));
+        }
+    }
+    let mut sends: Vec<SendOp> = Vec::new();
+    let mut recvs: Vec<RecvOp> = Vec::new();
+    let mut deferred: Option<Error> = None;
+    let mut big_send: Option<(usize, u32, &[u8])> = None;
+    if let Some((p, tag, data)) = send {
+        let hdr = Header {
+            count: data.len() as u64,
+            ..Header::new(Kind::P2p, tag, 0)
+        };
+        if data.len() <= EAGER_MAX {
+            sends.push(SendOp::new(
+                p,
+                Header {
+                    len: data.len() as u64,
+                    ..hdr
+                },
+                data,
+            ));
+        } else {
+            sends.push(SendOp::new(
+                p,
+                Header {
+                    kind: Kind::Rts,
+                    ..hdr
+                },
+                &[],
+            ));
+            recvs.push(RecvOp::control(p, &[Kind::Ready, Kind::Nack], tag));
+            big_send = Some((p, tag, data));
+        }
+    }
+    if let Some((p, tag, buf)) = recv {
+        recvs.push(RecvOp::p2p_first(p, tag, buf));
+    }
+    while !(recvs.is_empty() && sends.iter().all(|s| s.is_done())) {
+        links.exchange_until(ctx, &mut sends, &mut recvs, deadline, true)?;
+        let mut i = 0;
+        while i < recvs.len() {
+            if !recvs[i].is_done() {
+                i += 1;
+                continue;
+            }
+            let r = recvs.remove(i);
+            let h = r.header().expect("done");
+            let peer = r.peer();
+            match h.kind {
+                Kind::Ready => {
+                    let (p, tag, data) = big_send.take().expect("a large send waits for Ready");
+                    sends.push(SendOp::new(
+                        p,
+                        Header {
+                            count: data.len() as u64,
+                            len: data.len() as u64,
+                            ..Header::new(Kind::P2p, tag, 0)
+                        },
+                        data,
+                    ));
+                }
+                Kind::Nack => {
+                    let (p, tag, data) = big_send.take().expect("a large send gets the Nack");
+                    deferred.get_or_insert(size_err(
+                        p,
+                        tag,
+                        format!(
+                            "this rank sends {} bytes, rank {p} posted a {}-byte receive",
+                            data.len(),
+                            h.count
+                        ),
+                    ));
+                }
+                Kind::P2p | Kind::Rts => {
+                    let buf = r.into_buf();
+                    let mine = buf.len();
+                    if h.count as usize != mine {
+                        sends.push(SendOp::new(
+                            peer,
+                            Header {
+                                count: mine as u64,
+                                ..Header::new(Kind::Nack, h.tag, 0)
+                            },
+                            &[],
+                        ));
+                        deferred.get_or_insert(size_err(
+                            peer,
+                            h.tag,
+                            format!(
+                                "rank {peer} sent {} bytes, this rank posted a {mine}-byte receive",
+                                h.count
+                            ),
+                        ));
+                    } else if h.kind == Kind::Rts {
+                        sends.push(SendOp::new(
+                            peer,
+                            Header {
+                                count: mine as u64,
+                                ..Header::new(Kind::Ready, h.tag, 0)
+                            },
+                            &[],
+                        ));
+                        recvs.push(RecvOp::p2p_data(peer, h.tag, buf));
+                    }
+                }
+                _ => unreachable!("only p2p frames are awaited here"),
+            }
+        }
+        // Finish flushing control frames (Nack/Ready) before returning an error.
+        if deferred.is_some() && recvs.is_empty() {
+            links.exchange(ctx, &mut sends, &mut [], deadline)?;
+            break;
+        }
+    }
+    match deferred {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 struct BuildArgs {
     comm_id: String,
     rank: usize,
@@ -922,6 +1034,7 @@ pub struct Connection<'c> {
     peer: usize,
     tag: u32,
     open: bool,
+    confirmed: std::cell::Cell<bool>,
 }
 
 impl Connection<'_> {
@@ -935,13 +1048,24 @@ impl Connection<'_> {
         self.tag
     }
 
+    fn confirm(&self) -> Result<()> {
+        if !self.confirmed.get() {
+            self.comm
+                .control_recv("connect", self.peer, Kind::Connect, self.tag)?;
+            self.confirmed.set(true);
+        }
+        Ok(())
+    }
+
     /// Send `buf` (see [`Communicator::send`]).
     pub fn send<T: Element>(&self, buf: &[T]) -> Result<()> {
+        self.confirm()?;
         self.comm.send(self.peer, self.tag, buf)
     }
 
     /// Receive into `buf` (see [`Communicator::recv`]).
     pub fn recv<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.confirm()?;
         self.comm.recv(self.peer, self.tag, buf)
     }
 

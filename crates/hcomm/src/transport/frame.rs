@@ -3,7 +3,7 @@
 //! ```text
 //! offset size field
 //!      0    2 magic 0x4843 ("HC")
-//!      2    1 kind  (Collective, P2p, Ready, Signal, Connect, Close)
+//!      2    1 kind  (Collective, P2p, Ready, Signal, Connect, Close, Rts, Nack)
 //!      3    1 dtype code (0 = bytes)
 //!      4    1 collective code (fingerprint; 0 for point-to-point)
 //!      5    1 reduce-op code (0 = none)
@@ -39,6 +39,10 @@ pub enum Kind {
     Connect = 5,
     /// Connection-object close.
     Close = 6,
+    /// Sender → receiver: a large message of `count` bytes waits for a `Ready`.
+    Rts = 7,
+    /// Receiver → sender: the message with this tag did not fit (`count` = receive size).
+    Nack = 8,
 }
 
 impl Kind {
@@ -50,6 +54,8 @@ impl Kind {
             4 => Kind::Signal,
             5 => Kind::Connect,
             6 => Kind::Close,
+            7 => Kind::Rts,
+            8 => Kind::Nack,
             _ => return None,
         })
     }
@@ -153,7 +159,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn roundtrip(kind in 1u8..=6, dtype: u8, coll: u8, redop: u8, root: u32, tag: u32, seq: u64, count: u64, len: u64) {
+        fn roundtrip(kind in 1u8..=8, dtype: u8, coll: u8, redop: u8, root: u32, tag: u32, seq: u64, count: u64, len: u64) {
             let h = Header { kind: Kind::from_u8(kind).unwrap(), dtype, coll, redop, root, tag, seq, count, len };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }

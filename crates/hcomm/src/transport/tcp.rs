@@ -22,6 +22,8 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x4843_4f48; // "HCOH"
@@ -85,6 +87,26 @@ impl<'a> SendOp<'a> {
     fn done(&self) -> bool {
         self.written == self.total()
     }
+
+    /// True once every byte is handed to the kernel.
+    pub fn is_done(&self) -> bool {
+        self.done()
+    }
+}
+
+/// A set of control-frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KindSet(u16);
+
+impl KindSet {
+    /// The set of `kinds`.
+    pub fn of(kinds: &[Kind]) -> KindSet {
+        KindSet(kinds.iter().fold(0, |m, k| m | (1 << *k as u8)))
+    }
+
+    fn has(self, k: Kind) -> bool {
+        self.0 & (1 << k as u8) != 0
+    }
 }
 
 /// What a receive waits for.
@@ -92,11 +114,28 @@ impl<'a> SendOp<'a> {
 pub enum Expect {
     /// A collective frame with this fingerprint (and `len` equal to the sink's size).
     Coll(Header),
-    /// A control frame (Ready, Signal, Connect, Close) of this kind and tag.
-    Control(Kind, u32),
-    /// Point-to-point data with this tag.
-    P2p(u32),
+    /// A control frame (no payload) of one of these kinds with this tag.
+    Control(KindSet, u32),
+    /// Point-to-point data with this tag, after the RTS/Ready handshake.
+    P2pData(u32),
+    /// The first frame of a point-to-point message with this tag: eager data, or an RTS.
+    P2pFirst(u32),
 }
+
+impl Expect {
+    fn p2p_tag(&self) -> Option<u32> {
+        match *self {
+            Expect::P2pData(t) | Expect::P2pFirst(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// Messages up to this size are sent eagerly (no handshake) and buffered by the receiver if
+/// it has not posted the receive yet; larger ones wait for the receiver (RTS / Ready).
+pub const EAGER_MAX: usize = 64 << 10;
+/// Most unreceived eager bytes buffered from one peer.
+pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
 
 /// A frame to receive.
 pub struct RecvOp<'a> {
@@ -119,14 +158,25 @@ impl<'a> RecvOp<'a> {
         Self::make(peer, Expect::Coll(fp), sink)
     }
 
-    /// Receive point-to-point data with `tag` into `buf`.
-    pub fn p2p(peer: usize, tag: u32, buf: &'a mut [u8]) -> RecvOp<'a> {
-        Self::make(peer, Expect::P2p(tag), Sink::Buf(buf))
+    /// Receive the first frame of a point-to-point message with `tag`: eager data into `buf`
+    /// (when its size matches; else the data is dropped and [`header`](Self::header) tells the
+    /// sender's size), or an RTS header.
+    pub fn p2p_first(peer: usize, tag: u32, buf: &'a mut [u8]) -> RecvOp<'a> {
+        Self::make(peer, Expect::P2pFirst(tag), Sink::Buf(buf))
     }
 
-    /// Receive a control frame.
-    pub fn control(peer: usize, kind: Kind, tag: u32) -> RecvOp<'a> {
-        Self::make(peer, Expect::Control(kind, tag), Sink::Buf(&mut []))
+    /// Receive rendezvous data with `tag` into `buf`.
+    pub fn p2p_data(peer: usize, tag: u32, buf: &'a mut [u8]) -> RecvOp<'a> {
+        Self::make(peer, Expect::P2pData(tag), Sink::Buf(buf))
+    }
+
+    /// Receive a control frame of one of `kinds`.
+    pub fn control(peer: usize, kinds: &[Kind], tag: u32) -> RecvOp<'a> {
+        Self::make(
+            peer,
+            Expect::Control(KindSet::of(kinds), tag),
+            Sink::Buf(&mut []),
+        )
     }
 
     fn make(peer: usize, expect: Expect, sink: Sink<'a>) -> RecvOp<'a> {
@@ -145,6 +195,24 @@ impl<'a> RecvOp<'a> {
     /// The header received (once complete).
     pub fn header(&self) -> Option<Header> {
         self.got
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// True once the frame is complete.
+    pub fn is_done(&self) -> bool {
+        self.got.is_some()
+    }
+
+    /// Give back the receive buffer (for a follow-up receive into the same memory).
+    pub fn into_buf(self) -> &'a mut [u8] {
+        match self.sink {
+            Sink::Buf(b) => b,
+            Sink::Reduce { dst, .. } => dst,
+        }
     }
 
     fn done(&self) -> bool {
@@ -225,16 +293,70 @@ impl<'a> RecvOp<'a> {
     }
 }
 
+/// A frame that arrived before anyone waited for it.
+enum Stashed {
+    /// A control frame (signal, connect, RTS, …).
+    Control(Header),
+    /// An eager point-to-point message.
+    Eager(Header, Vec<u8>),
+}
+
+/// Where the payload of the frame being read goes.
+enum Target {
+    /// Into the sink of receive `idx`.
+    Recv(usize),
+    /// Into a buffer for the stash (eager message nobody waits for yet).
+    Stash(Header, Vec<u8>),
+    /// Nowhere: receive `idx` gets the header only (size mismatch).
+    Discard(usize),
+}
+
 /// Incoming side of a link: a socket plus its input buffer and frame state.
 struct Inbound {
     sock: Socket,
     ibuf: Vec<u8>,
     ipos: usize,
     iend: usize,
-    /// The frame being read: (index of the receive it belongs to, payload bytes left).
-    cur: Option<(usize, usize)>,
-    /// Control frames that arrived before anyone waited for them.
-    stash: VecDeque<Header>,
+    /// The frame being read and its payload bytes left.
+    cur: Option<(Target, usize)>,
+    /// Frames that arrived before anyone waited for them, in arrival order.
+    stash: VecDeque<Stashed>,
+    stash_bytes: usize,
+}
+
+impl Inbound {
+    /// Complete `r` from the stash if a matching frame is there.
+    fn take_stashed(&mut self, r: &mut RecvOp) {
+        let pos = self.stash.iter().position(|s| match (s, r.expect) {
+            (Stashed::Control(h), Expect::Control(set, tag)) => set.has(h.kind) && h.tag == tag,
+            (Stashed::Control(h), Expect::P2pFirst(tag)) => h.kind == Kind::Rts && h.tag == tag,
+            (Stashed::Eager(h, _), Expect::P2pFirst(tag)) => h.tag == tag,
+            _ => false,
+        });
+        let Some(pos) = pos else { return };
+        match self.stash.remove(pos).expect("present") {
+            Stashed::Control(h) => r.got = Some(h),
+            Stashed::Eager(h, data) => {
+                self.stash_bytes -= data.len();
+                if data.len() == r.sink.len() {
+                    r.deliver(&data);
+                }
+                r.got = Some(h);
+            }
+        }
+    }
+
+    /// Take a stashed `Nack` from this peer, if any.
+    fn take_nack(&mut self) -> Option<Header> {
+        let pos = self
+            .stash
+            .iter()
+            .position(|s| matches!(s, Stashed::Control(h) if h.kind == Kind::Nack))?;
+        match self.stash.remove(pos) {
+            Some(Stashed::Control(h)) => Some(h),
+            _ => None,
+        }
+    }
 }
 
 /// The TCP links of one communicator.
@@ -248,6 +370,8 @@ pub struct TcpLinks {
     policy: WaitPolicy,
     /// Reused staging buffers for reducing receives.
     staging_pool: Vec<Vec<u64>>,
+    /// Set by `Communicator::abort`: every wait gives up.
+    abort: Arc<AtomicBool>,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -284,7 +408,13 @@ impl TcpLinks {
             inb: (0..n).map(|_| None).collect(),
             policy,
             staging_pool: Vec::new(),
+            abort: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Share the communicator's abort flag.
+    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.abort = flag;
     }
 
     /// The IP address the listener is bound to.
@@ -382,6 +512,7 @@ impl TcpLinks {
                 iend: 0,
                 cur: None,
                 stash: VecDeque::new(),
+                stash_bytes: 0,
             });
             any = true;
         }
@@ -405,6 +536,19 @@ impl TcpLinks {
         recvs: &mut [RecvOp],
         deadline: Instant,
     ) -> Result<()> {
+        self.exchange_until(ctx, sends, recvs, deadline, false)
+    }
+
+    /// Like [`exchange`](Self::exchange), but with `any` it returns as soon as one receive is
+    /// complete (sends may then be unfinished: pass them again to continue).
+    pub fn exchange_until(
+        &mut self,
+        ctx: &OpContext,
+        sends: &mut [SendOp],
+        recvs: &mut [RecvOp],
+        deadline: Instant,
+        any: bool,
+    ) -> Result<()> {
         for s in sends.iter() {
             self.connect_out(ctx, s.peer, deadline)?;
         }
@@ -413,21 +557,15 @@ impl TcpLinks {
                 r.staging = self.take_staging();
             }
         }
-        // Control frames that were stashed earlier.
+        // Frames that arrived earlier.
         for r in recvs.iter_mut() {
-            if let Expect::Control(kind, tag) = r.expect {
+            if matches!(r.expect, Expect::Control(..) | Expect::P2pFirst(_)) {
                 if let Some(inb) = self.inb[r.peer].as_mut() {
-                    if let Some(pos) = inb
-                        .stash
-                        .iter()
-                        .position(|h| h.kind == kind && h.tag == tag)
-                    {
-                        r.got = inb.stash.remove(pos);
-                    }
+                    inb.take_stashed(r);
                 }
             }
         }
-        let result = self.drive(ctx, sends, recvs, deadline);
+        let result = self.drive(ctx, sends, recvs, deadline, any);
         for r in recvs.iter_mut() {
             if !r.staging.is_empty() {
                 self.staging_pool.push(std::mem::take(&mut r.staging));
@@ -442,6 +580,7 @@ impl TcpLinks {
         sends: &mut [SendOp],
         recvs: &mut [RecvOp],
         deadline: Instant,
+        any: bool,
     ) -> Result<()> {
         let mut spinner = Spinner::new(self.policy);
         loop {
@@ -480,6 +619,12 @@ impl TcpLinks {
             if sends.iter().all(|s| s.done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
             }
+            if any && recvs.iter().any(|r| r.done()) {
+                return Ok(());
+            }
+            if self.abort.load(Ordering::Relaxed) {
+                return Err(Error::Aborted { ctx: ctx.clone() });
+            }
             if progress {
                 spinner.reset();
                 continue;
@@ -509,8 +654,8 @@ impl TcpLinks {
             peers.push(r.peer);
             let what = match r.expect {
                 Expect::Coll(h) => format!("step {}", h.tag),
-                Expect::P2p(tag) => format!("message tag {tag}"),
-                Expect::Control(k, tag) => format!("{k:?} tag {tag}"),
+                Expect::P2pData(tag) | Expect::P2pFirst(tag) => format!("message tag {tag}"),
+                Expect::Control(_, tag) => format!("signal/handshake tag {tag}"),
             };
             detail.push(format!(
                 "receive {what} from rank {} ({} of {} bytes)",
@@ -597,18 +742,28 @@ impl TcpLinks {
         Ok(progress)
     }
 
+    /// Take a `Nack` that `peer` sent about an earlier eager message, if any.
+    pub fn take_nack(&mut self, peer: usize) -> Option<Header> {
+        self.inb.get_mut(peer)?.as_mut()?.take_nack()
+    }
+
     /// Read and dispatch frames from `peer` as long as data is available and someone wants it.
     fn pump_recv(&mut self, ctx: &OpContext, peer: usize, recvs: &mut [RecvOp]) -> Result<bool> {
         let inb = self.inb[peer].as_mut().expect("accepted");
         let mut progress = false;
         loop {
             // Payload of the current frame.
-            if let Some((idx, left)) = inb.cur {
+            if let Some((target, left)) = inb.cur.take() {
                 if left == 0 {
-                    let r = &mut recvs[idx];
-                    r.flush_staging();
-                    r.got = r.pending;
-                    inb.cur = None;
+                    match target {
+                        Target::Recv(idx) => {
+                            let r = &mut recvs[idx];
+                            r.flush_staging();
+                            r.got = r.pending;
+                        }
+                        Target::Discard(idx) => recvs[idx].got = recvs[idx].pending,
+                        Target::Stash(h, data) => inb.stash.push_back(Stashed::Eager(h, data)),
+                    }
                     progress = true;
                     if !recvs.iter().any(|r| r.peer == peer && !r.done()) {
                         return Ok(progress);
@@ -618,28 +773,42 @@ impl TcpLinks {
                 let buffered = inb.iend - inb.ipos;
                 if buffered > 0 {
                     let n = buffered.min(left);
-                    recvs[idx].deliver(&inb.ibuf[inb.ipos..inb.ipos + n]);
+                    let bytes = &inb.ibuf[inb.ipos..inb.ipos + n];
+                    match &target {
+                        Target::Recv(idx) => recvs[*idx].deliver(bytes),
+                        Target::Discard(_) => {}
+                        Target::Stash(..) => {}
+                    }
+                    let mut target = target;
+                    if let Target::Stash(_, v) = &mut target {
+                        v.extend_from_slice(bytes);
+                    }
                     inb.ipos += n;
-                    inb.cur = Some((idx, left - n));
+                    inb.cur = Some((target, left - n));
                     progress = true;
                     continue;
                 }
                 inb.ipos = 0;
                 inb.iend = 0;
-                if left >= DIRECT_READ_MIN {
-                    let target = recvs[idx].direct_target(left);
-                    match (&inb.sock).read(target) {
+                if let (Target::Recv(idx), true) = (&target, left >= DIRECT_READ_MIN) {
+                    let idx = *idx;
+                    let buf = recvs[idx].direct_target(left);
+                    match (&inb.sock).read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
                         Ok(n) => {
                             recvs[idx].direct_done(n);
-                            inb.cur = Some((idx, left - n));
+                            inb.cur = Some((target, left - n));
                             progress = true;
                             continue;
                         }
-                        Err(e) if would_block(&e) => return Ok(progress),
+                        Err(e) if would_block(&e) => {
+                            inb.cur = Some((target, left));
+                            return Ok(progress);
+                        }
                         Err(e) => return Err(peer_io_error(ctx, peer, e)),
                     }
                 }
+                inb.cur = Some((target, left));
                 match fill(inb, ctx, peer)? {
                     true => continue,
                     false => return Ok(progress),
@@ -667,13 +836,51 @@ impl TcpLinks {
             })?;
             inb.ipos += HEADER_LEN;
             progress = true;
+            let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
+                recvs
+                    .iter()
+                    .position(|r| r.peer == peer && !r.done() && r.pending.is_none() && pred(r))
+            };
             match hdr.kind {
-                Kind::Collective | Kind::P2p => {
-                    let idx = match_frame(ctx, peer, &hdr, recvs)?;
+                Kind::Collective => {
+                    let idx = match_collective(ctx, peer, &hdr, recvs)?;
                     recvs[idx].pending = Some(hdr);
-                    inb.cur = Some((idx, hdr.len as usize));
+                    inb.cur = Some((Target::Recv(idx), hdr.len as usize));
                 }
-                Kind::Ready | Kind::Signal | Kind::Connect | Kind::Close => {
+                Kind::P2p => {
+                    let len = hdr.len as usize;
+                    if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
+                        recvs[idx].pending = Some(hdr);
+                        let t = if len == recvs[idx].sink.len() {
+                            Target::Recv(idx)
+                        } else {
+                            Target::Discard(idx)
+                        };
+                        inb.cur = Some((t, len));
+                    } else if len <= EAGER_MAX {
+                        if inb.stash_bytes + len > MAX_UNEXPECTED_BYTES {
+                            return Err(Error::Remote {
+                                ctx: ctx.clone(),
+                                peer,
+                                msg: format!("rank {peer} sent more than {MAX_UNEXPECTED_BYTES} bytes of messages that no receive has been posted for"),
+                            });
+                        }
+                        inb.stash_bytes += len;
+                        inb.cur = Some((Target::Stash(hdr, Vec::with_capacity(len)), len));
+                    } else if let Some(idx) =
+                        pending_of(recvs, &|r| matches!(r.expect, Expect::Coll(_)))
+                    {
+                        let _ = idx;
+                        return Err(unexpected(ctx, peer, &hdr, recvs));
+                    } else {
+                        return Err(Error::Remote {
+                            ctx: ctx.clone(),
+                            peer,
+                            msg: format!("protocol error: {len}-byte message with tag {} sent without a handshake", hdr.tag),
+                        });
+                    }
+                }
+                _ => {
                     if hdr.len != 0 {
                         return Err(Error::Remote {
                             ctx: ctx.clone(),
@@ -681,11 +888,13 @@ impl TcpLinks {
                             msg: format!("protocol error: {:?} frame with a payload", hdr.kind),
                         });
                     }
-                    let waiting = recvs.iter_mut().find(|r| {
-                        r.peer == peer && !r.done() && matches!(r.expect, Expect::Control(k, t) if k == hdr.kind && t == hdr.tag)
+                    let waiting = pending_of(recvs, &|r| match r.expect {
+                        Expect::Control(set, t) => set.has(hdr.kind) && t == hdr.tag,
+                        Expect::P2pFirst(t) => hdr.kind == Kind::Rts && t == hdr.tag,
+                        _ => false,
                     });
                     match waiting {
-                        Some(r) => r.got = Some(hdr),
+                        Some(idx) => recvs[idx].got = Some(hdr),
                         None => {
                             if inb.stash.len() >= MAX_STASH {
                                 return Err(Error::Remote {
@@ -694,7 +903,7 @@ impl TcpLinks {
                                     msg: "too many unconsumed signals/control frames".into(),
                                 });
                             }
-                            inb.stash.push_back(hdr);
+                            inb.stash.push_back(Stashed::Control(hdr));
                         }
                     }
                     if !recvs.iter().any(|r| r.peer == peer && !r.done()) {
@@ -706,72 +915,52 @@ impl TcpLinks {
     }
 }
 
-/// Find the receive a data frame belongs to: the first pending collective/p2p receive of the
-/// peer. Anything else is a mismatch between the two ranks' programs.
-fn match_frame(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> Result<usize> {
-    let cand = recvs.iter().position(|r| {
-        r.peer == peer
-            && !r.done()
-            && r.pending.is_none()
-            && matches!(r.expect, Expect::Coll(_) | Expect::P2p(_))
-    });
-    let describe = |h: &Header| crate::comm::describe_frame(h);
-    let Some(idx) = cand else {
-        return Err(Error::Mismatch {
-            ctx: ctx.clone(),
-            peer,
-            msg: format!(
-                "rank {peer} sent {} while this rank expected no data from it",
-                describe(hdr)
-            ),
-        });
-    };
-    let r = &recvs[idx];
-    match (r.expect, hdr.kind) {
-        (Expect::Coll(fp), Kind::Collective)
-            if fp.same_fingerprint(hdr)
-                && hdr.tag == fp.tag
-                && hdr.len as usize == r.sink.len() =>
-        {
-            Ok(idx)
-        }
-        (Expect::Coll(fp), _) => Err(Error::Mismatch {
-            ctx: ctx.clone(),
-            peer,
-            msg: format!(
-                "rank {peer} called {} while this rank called {}",
-                describe(hdr),
-                describe(&Header {
-                    len: r.sink.len() as u64,
-                    ..fp
-                })
-            ),
-        }),
-        (Expect::P2p(tag), Kind::P2p) if hdr.tag == tag => {
-            if hdr.count as usize != r.sink.len() || hdr.len as usize != r.sink.len() {
-                Err(Error::SizeMismatch {
-                    ctx: ctx.clone(),
-                    peer,
-                    tag,
-                    msg: format!(
-                        "rank {peer} sent {} bytes, this rank posted a {}-byte receive",
-                        hdr.count,
-                        r.sink.len()
-                    ),
-                })
-            } else {
-                Ok(idx)
+fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> Error {
+    let describe = crate::comm::describe_frame;
+    let mine = recvs
+        .iter()
+        .find(|r| r.peer == peer && !r.done())
+        .map(|r| match r.expect {
+            Expect::Coll(fp) => describe(&Header {
+                len: r.sink.len() as u64,
+                ..fp
+            }),
+            Expect::P2pData(t) | Expect::P2pFirst(t) => {
+                format!("recv(tag={t}, {} bytes)", r.sink.len())
             }
-        }
-        (Expect::P2p(tag), _) => Err(Error::Mismatch {
-            ctx: ctx.clone(),
-            peer,
-            msg: format!(
-                "rank {peer} sent {} while this rank waited for a message with tag {tag}",
-                describe(hdr)
-            ),
-        }),
-        (Expect::Control(..), _) => unreachable!("filtered above"),
+            Expect::Control(_, t) => format!("a signal/handshake with tag {t}"),
+        })
+        .unwrap_or_else(|| "nothing from it".into());
+    Error::Mismatch {
+        ctx: ctx.clone(),
+        peer,
+        msg: format!(
+            "rank {peer} called {} while this rank waits for {mine}",
+            describe(hdr)
+        ),
+    }
+}
+
+/// Find the receive a collective frame belongs to: the first pending collective receive of the
+/// peer, with the same fingerprint. Anything else is a mismatch between the ranks' programs.
+fn match_collective(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> Result<usize> {
+    let idx = recvs
+        .iter()
+        .position(|r| {
+            r.peer == peer
+                && !r.done()
+                && r.pending.is_none()
+                && matches!(r.expect, Expect::Coll(_))
+        })
+        .ok_or_else(|| unexpected(ctx, peer, hdr, recvs))?;
+    let r = &recvs[idx];
+    let Expect::Coll(fp) = r.expect else {
+        unreachable!()
+    };
+    if fp.same_fingerprint(hdr) && hdr.tag == fp.tag && hdr.len as usize == r.sink.len() {
+        Ok(idx)
+    } else {
+        Err(unexpected(ctx, peer, hdr, recvs))
     }
 }
 

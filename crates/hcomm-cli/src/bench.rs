@@ -1,0 +1,435 @@
+//! `hcomm bench OP`: nccl-tests style benchmark with an optional correctness check.
+//!
+//! Timing as nccl-tests (and `../shared/bench`): warm-up, barrier, `iters` back-to-back calls on
+//! the same buffers, mean time per call on each rank, max over ranks. `algbw = bytes / time`,
+//! `busbw = algbw × factor` with nccl-tests' factors (all-reduce `2(n-1)/n`; all-gather,
+//! reduce-scatter, all-to-all, gather, scatter `(n-1)/n`; broadcast, reduce, send/recv 1).
+
+use hcomm::testing::{count_wrong, input, reference};
+use hcomm::{Algo, Collective, Communicator, DType, ReduceOp, Result};
+use serde::Serialize;
+use std::time::Instant;
+
+/// What `hcomm bench` can measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchOp {
+    /// A collective.
+    Coll(Collective),
+    /// Ping-pong between ranks 0 and 1 (time = half the round trip).
+    SendRecv,
+}
+
+impl BenchOp {
+    /// Parse `allreduce`, `all_reduce`, `sendrecv`, `pingpong`, …
+    pub fn parse(s: &str) -> Option<BenchOp> {
+        let k = s.to_ascii_lowercase().replace(['_', '-'], "");
+        if k == "sendrecv" || k == "pingpong" {
+            return Some(BenchOp::SendRecv);
+        }
+        Collective::parse(&k).map(BenchOp::Coll)
+    }
+
+    /// nccl-tests style name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchOp::SendRecv => "sendrecv",
+            BenchOp::Coll(c) => match c {
+                Collective::AllReduce => "allreduce",
+                Collective::AllGather => "allgather",
+                Collective::ReduceScatter => "reducescatter",
+                Collective::Broadcast => "broadcast",
+                Collective::Reduce => "reduce",
+                Collective::Gather => "gather",
+                Collective::Scatter => "scatter",
+                Collective::AllToAll => "alltoall",
+                Collective::Barrier => "barrier",
+            },
+        }
+    }
+
+    /// nccl-tests bus-bandwidth factor for `n` ranks.
+    pub fn busbw_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            BenchOp::Coll(Collective::AllReduce) => 2.0 * (n - 1.0) / n,
+            BenchOp::Coll(
+                Collective::AllGather
+                | Collective::ReduceScatter
+                | Collective::AllToAll
+                | Collective::Gather
+                | Collective::Scatter,
+            ) => (n - 1.0) / n,
+            BenchOp::Coll(Collective::Barrier) => 0.0,
+            BenchOp::Coll(Collective::Broadcast | Collective::Reduce) | BenchOp::SendRecv => 1.0,
+        }
+    }
+
+    fn reduces(self) -> bool {
+        matches!(
+            self,
+            BenchOp::Coll(Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce)
+        )
+    }
+
+    fn rooted(self) -> bool {
+        matches!(
+            self,
+            BenchOp::Coll(
+                Collective::Broadcast
+                    | Collective::Reduce
+                    | Collective::Gather
+                    | Collective::Scatter
+            )
+        )
+    }
+}
+
+/// Settings of one benchmark run.
+#[derive(Clone, Debug)]
+pub struct BenchOpts {
+    /// Operation.
+    pub op: BenchOp,
+    /// Smallest size in bytes.
+    pub min_bytes: usize,
+    /// Largest size in bytes.
+    pub max_bytes: usize,
+    /// Size step factor.
+    pub factor: usize,
+    /// Warm-up calls per size.
+    pub warmup: usize,
+    /// Timed calls per size.
+    pub iters: usize,
+    /// Check the result against the CPU reference.
+    pub check: bool,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction.
+    pub redop: ReduceOp,
+    /// Root of rooted operations.
+    pub root: usize,
+    /// Algorithm to force.
+    pub algo: Algo,
+}
+
+/// One result row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Operation name.
+    pub op: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Size in bytes (nccl-tests convention: the largest buffer of the call).
+    pub bytes: usize,
+    /// Elements in that buffer.
+    pub count: usize,
+    /// Element type.
+    pub dtype: String,
+    /// Reduction, or "none".
+    pub redop: String,
+    /// Root, or -1.
+    pub root: i64,
+    /// Algorithm the selector used.
+    pub algo: String,
+    /// Transport.
+    pub transport: String,
+    /// Mean time per call, max over ranks, in microseconds.
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements (summed over ranks), or -1 when not checked.
+    pub wrong: i64,
+}
+
+/// Sizes from `min` to `max` multiplying by `factor`.
+pub fn sizes(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min;
+    loop {
+        v.push(s);
+        if s >= max || factor < 2 {
+            break;
+        }
+        s = (s * factor).min(max);
+    }
+    v
+}
+
+/// Buffers for one size: (input, output) per the operation's shapes.
+struct Bufs {
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    block: usize,
+}
+
+fn make_bufs(
+    op: BenchOp,
+    comm: &Communicator,
+    bytes: usize,
+    dtype: DType,
+    redop: ReduceOp,
+    root: usize,
+) -> Bufs {
+    let n = comm.world_size();
+    let me = comm.rank();
+    let es = dtype.size();
+    let count = bytes / es;
+    let block = count / n;
+    let (send_elems, recv_elems) = match op {
+        BenchOp::Coll(Collective::AllReduce | Collective::Broadcast) | BenchOp::SendRecv => {
+            (count, count)
+        }
+        BenchOp::Coll(Collective::Reduce) => (count, if me == root { count } else { 0 }),
+        BenchOp::Coll(Collective::AllGather) => (block, block * n),
+        BenchOp::Coll(Collective::ReduceScatter) => (block * n, block),
+        BenchOp::Coll(Collective::Gather) => (block, if me == root { block * n } else { 0 }),
+        BenchOp::Coll(Collective::Scatter) => (if me == root { block * n } else { 0 }, block),
+        BenchOp::Coll(Collective::AllToAll) => (block * n, block * n),
+        BenchOp::Coll(Collective::Barrier) => (0, 0),
+    };
+    let send = match op {
+        BenchOp::Coll(Collective::Broadcast) if me == root => {
+            input(dtype, redop, root, send_elems, 7)
+        }
+        BenchOp::Coll(Collective::Broadcast) => vec![0u8; send_elems * es],
+        BenchOp::Coll(Collective::Scatter) => input(dtype, redop, root, send_elems, 7),
+        _ => input(dtype, redop, me, send_elems, 7),
+    };
+    Bufs {
+        send,
+        recv: vec![0u8; recv_elems * es],
+        block,
+    }
+}
+
+fn call(
+    op: BenchOp,
+    comm: &Communicator,
+    b: &mut Bufs,
+    dtype: DType,
+    redop: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let n = comm.world_size();
+    let counts = vec![b.block; n];
+    match op {
+        BenchOp::Coll(c) => match c {
+            Collective::AllReduce => {
+                comm.all_reduce_bytes(Some(&b.send), &mut b.recv, dtype, redop)
+            }
+            Collective::AllGather => {
+                comm.all_gather_v_bytes(Some(&b.send), &mut b.recv, &counts, dtype)
+            }
+            Collective::ReduceScatter => {
+                comm.reduce_scatter_v_bytes(Some(&b.send), &mut b.recv, &counts, dtype, redop)
+            }
+            Collective::Broadcast => comm.broadcast_bytes(&mut b.send, dtype, root),
+            Collective::Reduce => comm.reduce_bytes(Some(&b.send), &mut b.recv, dtype, redop, root),
+            Collective::Gather => comm.gather_v_bytes(&b.send, &mut b.recv, &counts, dtype, root),
+            Collective::Scatter => comm.scatter_v_bytes(&b.send, &mut b.recv, &counts, dtype, root),
+            Collective::AllToAll => {
+                comm.all_to_all_v_bytes(&b.send, &counts, &mut b.recv, &counts, dtype)
+            }
+            Collective::Barrier => comm.barrier(),
+        },
+        BenchOp::SendRecv => match comm.rank() {
+            0 => {
+                comm.send_bytes(1, 0, &b.send)?;
+                comm.recv_bytes(1, 0, &mut b.recv)
+            }
+            1 => {
+                comm.recv_bytes(0, 0, &mut b.recv)?;
+                comm.send_bytes(0, 0, &b.recv)
+            }
+            _ => Ok(()),
+        },
+    }
+}
+
+/// Wrong elements on this rank after one call (the result buffer against the reference).
+fn check_once(op: BenchOp, comm: &Communicator, b: &mut Bufs, o: &BenchOpts) -> Result<usize> {
+    let n = comm.world_size();
+    let me = comm.rank();
+    let (dt, rop, root) = (o.dtype, o.redop, o.root);
+    call(op, comm, b, dt, rop, root)?;
+    let es = dt.size();
+    let blk = b.block;
+    let seed = 7;
+    Ok(match op {
+        BenchOp::Coll(Collective::AllReduce) => {
+            count_wrong(dt, &b.recv, &reference(dt, rop, n, b.recv.len() / es, seed))
+        }
+        BenchOp::Coll(Collective::Reduce) if me == root => {
+            count_wrong(dt, &b.recv, &reference(dt, rop, n, b.recv.len() / es, seed))
+        }
+        BenchOp::Coll(Collective::ReduceScatter) => {
+            let full = reference(dt, rop, n, blk * n, seed);
+            count_wrong(dt, &b.recv, &full[me * blk * es..(me + 1) * blk * es])
+        }
+        BenchOp::Coll(Collective::AllGather) => {
+            let want: Vec<u8> = (0..n).flat_map(|r| input(dt, rop, r, blk, seed)).collect();
+            count_wrong(dt, &b.recv, &want)
+        }
+        BenchOp::Coll(Collective::Gather) if me == root => {
+            let want: Vec<u8> = (0..n).flat_map(|r| input(dt, rop, r, blk, seed)).collect();
+            count_wrong(dt, &b.recv, &want)
+        }
+        BenchOp::Coll(Collective::Broadcast) => {
+            count_wrong(dt, &b.send, &input(dt, rop, root, b.send.len() / es, seed))
+        }
+        BenchOp::Coll(Collective::Scatter) => {
+            let all = input(dt, rop, root, blk * n, seed);
+            count_wrong(dt, &b.recv, &all[me * blk * es..(me + 1) * blk * es])
+        }
+        BenchOp::Coll(Collective::AllToAll) => {
+            let want: Vec<u8> = (0..n)
+                .flat_map(|p| {
+                    input(dt, rop, p, blk * n, seed)[me * blk * es..(me + 1) * blk * es].to_vec()
+                })
+                .collect();
+            count_wrong(dt, &b.recv, &want)
+        }
+        BenchOp::SendRecv if me == 0 => count_wrong(dt, &b.recv, &b.send),
+        _ => 0,
+    })
+}
+
+/// Measure one size. Every rank must call it with the same arguments.
+pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row> {
+    let n = comm.world_size();
+    let op = o.op;
+    if let BenchOp::Coll(c) = op {
+        comm.set_algorithm(c, o.algo)?;
+    }
+    let root = if op.rooted() { o.root } else { 0 };
+    let mut b = make_bufs(op, comm, bytes, o.dtype, o.redop, root);
+    let wrong = if o.check {
+        let w = check_once(op, comm, &mut b, o)? as u64;
+        let mut total = [w];
+        comm.all_reduce_in_place(&mut total, ReduceOp::Sum)?;
+        b = make_bufs(op, comm, bytes, o.dtype, o.redop, root);
+        total[0] as i64
+    } else {
+        -1
+    };
+    for _ in 0..o.warmup {
+        call(op, comm, &mut b, o.dtype, o.redop, root)?;
+    }
+    comm.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..o.iters.max(1) {
+        call(op, comm, &mut b, o.dtype, o.redop, root)?;
+    }
+    let mut per_call = [t0.elapsed().as_secs_f64() / o.iters.max(1) as f64];
+    comm.all_reduce_in_place(&mut per_call, ReduceOp::Max)?;
+    let per_call = per_call[0] / if op == BenchOp::SendRecv { 2.0 } else { 1.0 };
+    let es = o.dtype.size();
+    let shown = match op {
+        BenchOp::Coll(
+            Collective::AllGather
+            | Collective::ReduceScatter
+            | Collective::AllToAll
+            | Collective::Gather
+            | Collective::Scatter,
+        ) => b.block * n * es,
+        BenchOp::Coll(Collective::Barrier) => 0,
+        _ => bytes / es * es,
+    };
+    let algbw = if per_call > 0.0 {
+        shown as f64 / per_call / 1e9
+    } else {
+        0.0
+    };
+    let algo = match op {
+        BenchOp::Coll(c) => comm.algorithm_for(c, shown).to_string(),
+        BenchOp::SendRecv => "p2p".into(),
+    };
+    Ok(Row {
+        op: op.name().into(),
+        ranks: n,
+        bytes: shown,
+        count: shown / es,
+        dtype: o.dtype.to_string(),
+        redop: if op.reduces() {
+            o.redop.to_string()
+        } else {
+            "none".into()
+        },
+        root: if op.rooted() { root as i64 } else { -1 },
+        algo,
+        transport: "tcp".into(),
+        time_us: per_call * 1e6,
+        algbw,
+        busbw: algbw * op.busbw_factor(n),
+        wrong,
+    })
+}
+
+/// The nccl-tests table header.
+pub fn header() -> String {
+    format!(
+        "#{:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>6}  {}\n#{:>12} {:>12} {:>8} {:>6} {:>6} {:>10} {:>8} {:>8} {:>6}",
+        "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "algo",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+    )
+}
+
+/// One table line.
+pub fn format_row(r: &Row) -> String {
+    let wrong = if r.wrong < 0 {
+        "N/A".to_string()
+    } else {
+        r.wrong.to_string()
+    };
+    format!(
+        " {:>12} {:>12} {:>8} {:>6} {:>6} {:>10.2} {:>8.2} {:>8.2} {:>6}  {}",
+        r.bytes, r.count, r.dtype, r.redop, r.root, r.time_us, r.algbw, r.busbw, wrong, r.algo
+    )
+}
+
+/// Run the whole sweep on this rank; rank 0 prints. Returns the number of wrong elements.
+pub fn run(comm: &Communicator, o: &BenchOpts, json: bool) -> Result<i64> {
+    let me = comm.rank();
+    if me == 0 && !json {
+        println!(
+            "# hcomm bench {}: {} ranks, dtype {}, op {}, root {}, warm-up {}, iters {}, check {}",
+            o.op.name(),
+            comm.world_size(),
+            o.dtype,
+            o.redop,
+            o.root,
+            o.warmup,
+            o.iters,
+            o.check
+        );
+        println!("{}", header());
+    }
+    let mut wrong = 0;
+    let mut busbw_sum = 0.0;
+    let mut rows = 0;
+    for bytes in sizes(o.min_bytes, o.max_bytes, o.factor) {
+        let row = run_size(comm, o, bytes)?;
+        wrong += row.wrong.max(0);
+        busbw_sum += row.busbw;
+        rows += 1;
+        if me == 0 {
+            if json {
+                println!("{}", serde_json::to_string(&row).expect("row serialises"));
+            } else {
+                println!("{}", format_row(&row));
+            }
+        }
+    }
+    if me == 0 && !json {
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!(
+            "# Avg bus bandwidth    : {:.4}",
+            busbw_sum / rows.max(1) as f64
+        );
+    }
+    Ok(wrong)
+}

@@ -1,0 +1,8 @@
+//! The `hcomm` command: launcher (`run`), main demo (`demo`), correctness sweep (`check`) and
+//! benchmark (`bench`). The modules are a library so that tests can drive them directly.
+
+pub mod bench;
+pub mod check;
+pub mod demo;
+pub mod launch;
+pub mod workers;
