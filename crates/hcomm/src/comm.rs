@@ -248,7 +248,24 @@ fn init_logging() {
 impl Communicator {
     /// Join the job described by the environment (`HCOMM_*`, torchrun, Open MPI, MPICH/PMI or
     /// Slurm variables; see `docs/configuration.md`).
+    ///
+    /// With `HCOMM_RANK_TABLE=path`, the job is described by that rank table and only this
+    /// process's rank is read from the environment (`HCOMM_RANK`, `RANK`,
+    /// `OMPI_COMM_WORLD_RANK`, `PMI_RANK` or `SLURM_PROCID`).
     pub fn from_env() -> Result<Communicator> {
+        if let Some(table) = std::env::var_os("HCOMM_RANK_TABLE") {
+            let var = ["HCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+                .into_iter()
+                .find(|v| std::env::var_os(v).is_some())
+                .ok_or_else(|| {
+                    Error::Config("HCOMM_RANK_TABLE is set but no rank variable (HCOMM_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is".into())
+                })?;
+            let value = std::env::var(var).unwrap_or_default();
+            let rank = value.trim().parse::<usize>().map_err(|_| {
+                Error::Config(format!("{var}={value} is not a non-negative integer"))
+            })?;
+            return Self::from_rank_table(table, rank);
+        }
         Self::from_config(&BootstrapConfig::from_env()?)
     }
 
@@ -730,6 +747,10 @@ impl Communicator {
         let deadline = Instant::now() + self.timeout();
         let mut sends = vec![SendOp::new(peer, Header::new(kind, tag, 0), &[])];
         let r = inner.links.exchange(&ctx, &mut sends, &mut [], deadline);
+        // Closing towards a peer that has already gone is not an error.
+        if kind == Kind::Close && matches!(r, Err(Error::PeerClosed { .. })) {
+            return Ok(());
+        }
         Self::finish(&mut inner, false, r)
     }
 
@@ -1069,7 +1090,7 @@ impl Connection<'_> {
         self.comm.recv(self.peer, self.tag, buf)
     }
 
-    /// Close: tell the peer and forget the connection.
+    /// Close: tell the peer (if it is still there) and forget the connection.
     pub fn close(mut self) -> Result<()> {
         self.open = false;
         self.comm

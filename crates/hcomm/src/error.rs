@@ -146,10 +146,14 @@ impl Error {
         }
     }
 
-    /// True for errors after which the communicator is unusable (everything except bad
-    /// arguments, which are detected before any byte moves).
+    /// True for errors after which the communicator is unusable: everything except bad
+    /// arguments (detected before any byte moves) and point-to-point size mismatches (the
+    /// message is consumed, so the links stay in step).
     pub fn is_fatal(&self) -> bool {
-        !matches!(self, Error::InvalidArgument { .. } | Error::Config(_))
+        !matches!(
+            self,
+            Error::InvalidArgument { .. } | Error::Config(_) | Error::SizeMismatch { .. }
+        )
     }
 
     /// True if this is a timeout.

@@ -146,6 +146,8 @@ pub struct RecvOp<'a> {
     got: Option<Header>,
     /// Header of the data frame being received into this op.
     pending: Option<Header>,
+    /// Identity while a frame is read into it across calls (0 = not assigned yet).
+    id: u64,
     /// Payload bytes delivered so far.
     delivered: usize,
     staging: Vec<u64>,
@@ -186,6 +188,7 @@ impl<'a> RecvOp<'a> {
             sink,
             got: None,
             pending: None,
+            id: 0,
             delivered: 0,
             staging: Vec::new(),
             staged: 0,
@@ -303,12 +306,12 @@ enum Stashed {
 
 /// Where the payload of the frame being read goes.
 enum Target {
-    /// Into the sink of receive `idx`.
-    Recv(usize),
+    /// Into the sink of the receive with this id.
+    Recv(u64),
     /// Into a buffer for the stash (eager message nobody waits for yet).
     Stash(Header, Vec<u8>),
-    /// Nowhere: receive `idx` gets the header only (size mismatch).
-    Discard(usize),
+    /// Nowhere: the receive with this id gets the header only (size mismatch).
+    Discard(u64),
 }
 
 /// Incoming side of a link: a socket plus its input buffer and frame state.
@@ -372,6 +375,8 @@ pub struct TcpLinks {
     staging_pool: Vec<Vec<u64>>,
     /// Set by `Communicator::abort`: every wait gives up.
     abort: Arc<AtomicBool>,
+    /// Source of receive ids.
+    next_id: u64,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -409,6 +414,7 @@ impl TcpLinks {
             policy,
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
+            next_id: 1,
         }
     }
 
@@ -553,6 +559,10 @@ impl TcpLinks {
             self.connect_out(ctx, s.peer, deadline)?;
         }
         for r in recvs.iter_mut() {
+            if r.id == 0 {
+                r.id = self.next_id;
+                self.next_id += 1;
+            }
             if matches!(r.sink, Sink::Reduce { .. }) && r.staging.is_empty() {
                 r.staging = self.take_staging();
             }
@@ -754,14 +764,28 @@ impl TcpLinks {
         loop {
             // Payload of the current frame.
             if let Some((target, left)) = inb.cur.take() {
+                let slot = |id: u64| recvs.iter().position(|r| r.id == id);
+                let idx = match &target {
+                    Target::Recv(id) | Target::Discard(id) => match slot(*id) {
+                        Some(i) => i,
+                        None => {
+                            return Err(Error::io(
+                                ctx.clone(),
+                                Some(peer),
+                                "internal: a partly received message lost its receive",
+                            ));
+                        }
+                    },
+                    Target::Stash(..) => usize::MAX,
+                };
                 if left == 0 {
                     match target {
-                        Target::Recv(idx) => {
+                        Target::Recv(_) => {
                             let r = &mut recvs[idx];
                             r.flush_staging();
                             r.got = r.pending;
                         }
-                        Target::Discard(idx) => recvs[idx].got = recvs[idx].pending,
+                        Target::Discard(_) => recvs[idx].got = recvs[idx].pending,
                         Target::Stash(h, data) => inb.stash.push_back(Stashed::Eager(h, data)),
                     }
                     progress = true;
@@ -775,7 +799,7 @@ impl TcpLinks {
                     let n = buffered.min(left);
                     let bytes = &inb.ibuf[inb.ipos..inb.ipos + n];
                     match &target {
-                        Target::Recv(idx) => recvs[*idx].deliver(bytes),
+                        Target::Recv(_) => recvs[idx].deliver(bytes),
                         Target::Discard(_) => {}
                         Target::Stash(..) => {}
                     }
@@ -790,8 +814,7 @@ impl TcpLinks {
                 }
                 inb.ipos = 0;
                 inb.iend = 0;
-                if let (Target::Recv(idx), true) = (&target, left >= DIRECT_READ_MIN) {
-                    let idx = *idx;
+                if let (Target::Recv(_), true) = (&target, left >= DIRECT_READ_MIN) {
                     let buf = recvs[idx].direct_target(left);
                     match (&inb.sock).read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
@@ -845,16 +868,17 @@ impl TcpLinks {
                 Kind::Collective => {
                     let idx = match_collective(ctx, peer, &hdr, recvs)?;
                     recvs[idx].pending = Some(hdr);
-                    inb.cur = Some((Target::Recv(idx), hdr.len as usize));
+                    inb.cur = Some((Target::Recv(recvs[idx].id), hdr.len as usize));
                 }
                 Kind::P2p => {
                     let len = hdr.len as usize;
                     if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
                         recvs[idx].pending = Some(hdr);
+                        let id = recvs[idx].id;
                         let t = if len == recvs[idx].sink.len() {
-                            Target::Recv(idx)
+                            Target::Recv(id)
                         } else {
-                            Target::Discard(idx)
+                            Target::Discard(id)
                         };
                         inb.cur = Some((t, len));
                     } else if len <= EAGER_MAX {
@@ -895,6 +919,17 @@ impl TcpLinks {
                     });
                     match waiting {
                         Some(idx) => recvs[idx].got = Some(hdr),
+                        None if hdr.kind == Kind::Nack => {
+                            return Err(Error::SizeMismatch {
+                                ctx: ctx.clone(),
+                                peer,
+                                tag: hdr.tag,
+                                msg: format!(
+                                    "rank {peer} rejected an earlier message with tag {}: its receive is {} bytes",
+                                    hdr.tag, hdr.count
+                                ),
+                            })
+                        }
                         None => {
                             if inb.stash.len() >= MAX_STASH {
                                 return Err(Error::Remote {

@@ -1,0 +1,124 @@
+//! Every collective × algorithm × dtype × reduce op × size × root × in-place/out-of-place
+//! against the CPU reference, at 1, 2, 3 and 4 ranks (ranks are threads of this process, each
+//! with its own communicator over loopback TCP).
+
+use hcomm::testing::run_threads;
+use hcomm::{Collective, DType, ReduceOp};
+use hcomm_cli::check::{run, CheckOpts};
+use std::time::Duration;
+
+fn sweep(n: usize, o: CheckOpts) {
+    let res = run_threads(n, Duration::from_secs(60), |comm| run(&comm, &o));
+    for (rank, r) in res.into_iter().enumerate() {
+        let (cases, failed) = r.unwrap_or_else(|e| panic!("{n} ranks, rank {rank}: {e}"));
+        assert!(cases > 0);
+        assert_eq!(
+            failed, 0,
+            "{n} ranks: {failed} of {cases} cases failed (see stderr)"
+        );
+    }
+}
+
+/// Every dtype and op at sizes 0, 1, 7 (prime) and 1031 (prime, divisible by no world size).
+fn small_matrix(n: usize) {
+    sweep(
+        n,
+        CheckOpts {
+            counts: vec![0, 1, 7, 1031],
+            ..CheckOpts::full()
+        },
+    );
+}
+
+/// ≥ 1 MiB per rank for every collective and algorithm, a spread of dtypes.
+fn large(n: usize) {
+    sweep(
+        n,
+        CheckOpts {
+            dtypes: vec![DType::F32, DType::BF16, DType::I8, DType::F64],
+            ops: vec![ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean],
+            counts: vec![(1 << 20) + 3],
+            ..CheckOpts::full()
+        },
+    );
+}
+
+#[test]
+fn matrix_1_rank() {
+    small_matrix(1);
+    large(1);
+}
+
+#[test]
+fn matrix_2_ranks() {
+    small_matrix(2);
+}
+
+#[test]
+fn matrix_3_ranks() {
+    small_matrix(3);
+}
+
+#[test]
+fn matrix_4_ranks() {
+    small_matrix(4);
+}
+
+#[test]
+fn large_2_ranks() {
+    large(2);
+}
+
+#[test]
+fn large_3_ranks() {
+    large(3);
+}
+
+#[test]
+fn large_4_ranks() {
+    large(4);
+}
+
+#[test]
+fn results_are_bitwise_identical_across_ranks_with_non_integer_floats() {
+    // Random-looking floats: sums depend on order, so equality across ranks shows every rank
+    // got the same bits, and two runs give the same bits (determinism).
+    for n in [2, 3, 4] {
+        let runs: Vec<Vec<Vec<u32>>> = (0..2)
+            .map(|_| {
+                run_threads(n, Duration::from_secs(60), |comm| {
+                    let mut out = Vec::new();
+                    for &count in &[5usize, 1000, 300_001] {
+                        let v: Vec<f32> = (0..count)
+                            .map(|i| {
+                                ((i * 2654435761 + comm.rank() * 97) % 10007) as f32 * 1.37e-3 + 0.1
+                            })
+                            .collect();
+                        let mut r = vec![0f32; count];
+                        comm.all_reduce(&v, &mut r, ReduceOp::Sum)?;
+                        out.extend(r.iter().map(|x| x.to_bits()));
+                    }
+                    Ok(out)
+                })
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect()
+            })
+            .collect();
+        for r in 1..n {
+            assert!(
+                runs[0][r] == runs[0][0],
+                "{n} ranks: rank {r} differs from rank 0"
+            );
+        }
+        assert!(runs[0][0] == runs[1][0], "{n} ranks: two runs differ");
+    }
+}
+
+#[test]
+fn every_collective_has_a_case() {
+    let cases = hcomm_cli::check::cases(&CheckOpts::quick(), 3);
+    for c in Collective::ALL {
+        assert!(cases.iter().any(|k| k.coll == c), "{c:?} not covered");
+    }
+}

@@ -1,0 +1,347 @@
+//! Point-to-point, signals, connections, sub-communicators and error behaviour, with ranks as
+//! threads over loopback TCP.
+
+use hcomm::testing::run_threads;
+use hcomm::{Error, ReduceOp};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(30);
+
+fn all_ok<R: std::fmt::Debug>(res: Vec<hcomm::Result<R>>) -> Vec<R> {
+    res.into_iter()
+        .enumerate()
+        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
+}
+
+#[test]
+fn tags_match_whatever_the_posting_order() {
+    all_ok(run_threads(2, T, |c| {
+        let big: Vec<u32> = (0..300_000).collect();
+        if c.rank() == 0 {
+            c.send(1, 1, &[1u8; 100])?;
+            c.send(1, 2, &[2u8; 200])?;
+            c.send(1, 3, &[3u8; 0])?;
+            c.send(1, 4, &big)?;
+        } else {
+            let mut b3 = [9u8; 0];
+            let mut b2 = [0u8; 200];
+            let mut b1 = [0u8; 100];
+            c.recv(0, 3, &mut b3)?;
+            c.recv(0, 2, &mut b2)?;
+            c.recv(0, 1, &mut b1)?;
+            let mut got = vec![0u32; 300_000];
+            c.recv(0, 4, &mut got)?;
+            assert!(b1.iter().all(|&x| x == 1) && b2.iter().all(|&x| x == 2));
+            assert_eq!(got, big);
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn same_tag_messages_keep_their_order() {
+    all_ok(run_threads(2, T, |c| {
+        for i in 0..50u64 {
+            if c.rank() == 0 {
+                c.send(1, 7, &[i])?;
+            }
+        }
+        if c.rank() == 1 {
+            for i in 0..50u64 {
+                let mut v = [0u64];
+                c.recv(0, 7, &mut v)?;
+                assert_eq!(v[0], i);
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn send_recv_exchanges_large_messages_both_ways() {
+    all_ok(run_threads(3, T, |c| {
+        let n = c.world_size();
+        let (right, left) = ((c.rank() + 1) % n, (c.rank() + n - 1) % n);
+        let mine: Vec<f64> = (0..500_000).map(|i| (i * (c.rank() + 1)) as f64).collect();
+        let mut got = vec![0f64; 500_000];
+        c.send_recv(right, &mine, left, &mut got, 9)?;
+        assert!(got
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == (i * (left + 1)) as f64));
+        Ok(())
+    }));
+}
+
+#[test]
+fn eager_size_mismatch_fails_on_both_sides() {
+    let res = run_threads(2, T, |c| {
+        if c.rank() == 0 {
+            c.send(1, 5, &[0u8; 10])?;
+            // The receiver's Nack arrives with its next message; the next p2p call reports it.
+            let mut ack = [0u8; 1];
+            let r = c.recv(1, 6, &mut ack);
+            Ok(r.err())
+        } else {
+            let mut buf = [0u8; 20];
+            let e = c.recv(0, 5, &mut buf).unwrap_err();
+            let _ = c.send(0, 6, &[1u8]);
+            Ok(Some(e))
+        }
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r
+            .unwrap()
+            .unwrap_or_else(|| panic!("rank {rank} saw no error"));
+        assert!(
+            matches!(e, Error::SizeMismatch { .. } | Error::Poisoned { .. }),
+            "rank {rank}: {e}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("10") && msg.contains("20") || rank == 0,
+            "rank {rank}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn large_size_mismatch_fails_on_both_sides_at_once() {
+    let res = run_threads(2, T, |c| {
+        if c.rank() == 0 {
+            Ok(c.send(1, 5, &vec![0u8; 1 << 20]).unwrap_err())
+        } else {
+            let mut buf = vec![0u8; 2 << 20];
+            Ok(c.recv(0, 5, &mut buf).unwrap_err())
+        }
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r.unwrap();
+        assert!(matches!(e, Error::SizeMismatch { .. }), "rank {rank}: {e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("1048576") && msg.contains("2097152"),
+            "rank {rank}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn signals_are_counted_per_tag() {
+    all_ok(run_threads(2, T, |c| {
+        if c.rank() == 0 {
+            c.signal(1, 1)?;
+            c.signal(1, 1)?;
+            c.signal(1, 2)?;
+            c.wait_signal(1, 3)?;
+        } else {
+            c.wait_signal(0, 2)?;
+            c.wait_signal(0, 1)?;
+            c.wait_signal(0, 1)?;
+            c.signal(0, 3)?;
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn connections_in_any_order() {
+    all_ok(run_threads(2, T, |c| {
+        let peer = 1 - c.rank();
+        let a = c.connect(peer, 10)?;
+        let b = c.connect(peer, 20)?;
+        assert!(
+            c.connect(peer, 10).is_err(),
+            "duplicate connection must be refused"
+        );
+        if c.rank() == 0 {
+            a.send(&[1i16, 2, 3])?;
+            b.send(&[4i16])?;
+        } else {
+            let mut x = [0i16; 1];
+            let mut y = [0i16; 3];
+            b.recv(&mut x)?;
+            a.recv(&mut y)?;
+            assert_eq!((x, y), ([4], [1, 2, 3]));
+        }
+        a.close()?;
+        b.close()?;
+        Ok(())
+    }));
+}
+
+#[test]
+fn split_and_new_group_work_like_the_world() {
+    all_ok(run_threads(4, T, |c| {
+        let r = c.rank();
+        // Two colours, keys reverse the order inside each.
+        let sub = c.split(Some((r % 2) as u32), -(r as i64))?.unwrap();
+        assert_eq!(sub.world_size(), 2);
+        assert_eq!(sub.rank(), if r >= 2 { 0 } else { 1 });
+        let mut v = [r as i32];
+        sub.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v[0], if r % 2 == 0 { 2 } else { 4 });
+        let mut b = [if sub.rank() == 0 { 42u8 } else { 0 }];
+        sub.broadcast(&mut b, 0)?;
+        assert_eq!(b[0], 42);
+        // Opting out.
+        assert!(c.split(if r == 3 { None } else { Some(0) }, 0)?.is_some() == (r != 3));
+        // A group of three, in a given order.
+        if r != 0 {
+            let g = c.new_group(&[3, 1, 2])?;
+            assert_eq!(g.rank(), [usize::MAX, 1, 2, 0][r]);
+            let mut all = vec![0u64; 3];
+            g.all_gather(&[r as u64], &mut all)?;
+            assert_eq!(all, vec![3, 1, 2]);
+        } else {
+            assert!(matches!(
+                c.new_group(&[1, 2]),
+                Err(Error::InvalidArgument { .. })
+            ));
+        }
+        // The world still works afterwards.
+        c.barrier()?;
+        Ok(())
+    }));
+}
+
+#[test]
+fn bad_arguments_are_named_and_leave_the_communicator_usable() {
+    all_ok(run_threads(2, T, |c| {
+        let mut buf = [0f32; 4];
+        let e = c.broadcast(&mut buf, 2).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("root 2"),
+            "{e}"
+        );
+        let e = c.send(5, 0, &buf).unwrap_err();
+        assert!(e.to_string().contains("peer rank 5"), "{e}");
+        let e = c.send(c.rank(), 0, &buf).unwrap_err();
+        assert!(e.to_string().contains("this rank"), "{e}");
+        let e = c
+            .reduce_scatter(&[0f32; 5], &mut [0f32; 2], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("send buffer has 5 elements"), "{e}");
+        let e = c
+            .all_reduce(&[0f32; 3], &mut [0f32; 4], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("3 elements"), "{e}");
+        let e = c
+            .all_reduce_bytes(None, &mut [0u8; 7], hcomm::DType::F32, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("7 bytes"), "{e}");
+        let e = c.all_to_all(&[0i32; 3], &mut [0i32; 3]).unwrap_err();
+        assert!(e.to_string().contains("divisible"), "{e}");
+        c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        Ok(())
+    }));
+}
+
+#[test]
+fn mismatched_collectives_fail_with_both_calls_named() {
+    let res = run_threads(2, T, |c| {
+        let e = if c.rank() == 0 {
+            c.all_reduce_in_place(&mut [0f32; 10], ReduceOp::Sum)
+                .unwrap_err()
+        } else {
+            c.all_reduce_in_place(&mut [0f32; 11], ReduceOp::Sum)
+                .unwrap_err()
+        };
+        // Poisoned afterwards: fails fast.
+        let again = c.barrier().unwrap_err();
+        Ok((e, again))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let (e, again) = r.unwrap();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {rank}: {msg}");
+        assert!(
+            msg.contains("count=10") && msg.contains("count=11"),
+            "rank {rank}: {msg}"
+        );
+        assert!(
+            matches!(again, Error::Poisoned { .. }),
+            "rank {rank}: {again}"
+        );
+    }
+    let res = run_threads(2, T, |c| {
+        Ok(if c.rank() == 0 {
+            c.all_reduce_in_place(&mut [0i32; 4], ReduceOp::Max)
+                .unwrap_err()
+        } else {
+            c.all_gather(&[0i32; 2], &mut [0i32; 4]).unwrap_err()
+        })
+    });
+    for r in res {
+        let msg = r.unwrap().to_string();
+        assert!(
+            msg.contains("all_reduce") && msg.contains("all_gather"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn timeout_names_the_peer_and_poisons() {
+    let res = run_threads(2, T, |c| {
+        c.set_timeout(Duration::from_millis(300));
+        if c.rank() == 0 {
+            let mut b = [0u8; 4];
+            let e = c.recv(1, 1, &mut b).unwrap_err();
+            let again = c.barrier().unwrap_err();
+            Ok(Some((e, again)))
+        } else {
+            std::thread::sleep(Duration::from_millis(600));
+            Ok(None)
+        }
+    });
+    let (e, again) = res.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(
+        matches!(&e, Error::Timeout { peers, .. } if peers == &vec![1]),
+        "{e}"
+    );
+    assert!(e.to_string().contains("rank(s) [1]"), "{e}");
+    assert!(matches!(again, Error::Poisoned { .. }), "{again}");
+}
+
+#[test]
+fn a_closed_peer_is_reported_by_name() {
+    let res = run_threads(3, T, |c| {
+        c.set_timeout(Duration::from_secs(5));
+        if c.rank() == 2 {
+            drop(c);
+            return Ok(None);
+        }
+        let mut v = vec![1f32; 100_000];
+        Ok(Some(
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err(),
+        ))
+    });
+    for r in res.into_iter().take(2) {
+        let e = r.unwrap().unwrap();
+        assert!(
+            matches!(e, Error::PeerClosed { .. } | Error::Timeout { .. }),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn abort_unblocks_a_waiting_call() {
+    let res = run_threads(2, T, |c| {
+        if c.rank() == 1 {
+            return Ok(None);
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                c.abort();
+            });
+            let mut b = [0u8; 8];
+            Ok(Some(c.recv(1, 3, &mut b).unwrap_err()))
+        })
+    });
+    let e = res.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(matches!(e, Error::Aborted { .. }), "{e}");
+}
