@@ -24,7 +24,7 @@ impl Communicator {
     }
 
     fn check_len(&self, op: &'static str, what: &str, buf: &[u8], dtype: DType) -> Result<usize> {
-        if buf.len() % dtype.size() != 0 {
+        if !buf.len().is_multiple_of(dtype.size()) {
             return Err(self.bad(
                 op,
                 format!(
@@ -115,7 +115,7 @@ impl Communicator {
     /// `buf[rank * n .. (rank + 1) * n]` where `n = buf.len() / world_size`.
     pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
         let w = self.world_size();
-        if buf.len() % w != 0 {
+        if !buf.len().is_multiple_of(w) {
             return Err(self.bad(
                 "all_gather",
                 format!(
@@ -231,7 +231,7 @@ impl Communicator {
     /// (`n = buf.len() / world_size`); the other blocks are left unchanged.
     pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let w = self.world_size();
-        if buf.len() % w != 0 {
+        if !buf.len().is_multiple_of(w) {
             return Err(self.bad(
                 "reduce_scatter",
                 format!(
@@ -650,7 +650,7 @@ impl Communicator {
     /// to rank `p`, and block `p` of `recv` comes from rank `p`.
     pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let w = self.world_size();
-        if send.len() % w != 0 || recv.len() != send.len() {
+        if !send.len().is_multiple_of(w) || recv.len() != send.len() {
             return Err(self.bad(
                 "all_to_all",
                 format!(

@@ -80,8 +80,8 @@ fn with_typed<T: bytemuck::Pod>(acc: &mut [u8], src: &[u8], f: &mut dyn FnMut(&m
         _ => {
             const BLOCK: usize = 256;
             let sz = std::mem::size_of::<T>();
-            let mut a_tmp = vec![T::zeroed(); BLOCK];
-            let mut s_tmp = vec![T::zeroed(); BLOCK];
+            let mut a_tmp = [T::zeroed(); BLOCK];
+            let mut s_tmp = [T::zeroed(); BLOCK];
             for (ac, sc) in acc.chunks_mut(BLOCK * sz).zip(src.chunks(BLOCK * sz)) {
                 let n = ac.len() / sz;
                 bytemuck::cast_slice_mut::<T, u8>(&mut a_tmp[..n]).copy_from_slice(ac);

@@ -22,7 +22,7 @@ pub fn all_reduce_rd(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) 
     let rem = n - p2;
     let mut tmp = vec![0u8; buf.len()];
     let vrank = if r < 2 * rem {
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             run.step(0, Some((r + 1, &*buf)), None)?;
             None
         } else {

@@ -88,7 +88,8 @@ pub fn broadcast_chain(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()>
 
 fn chunk_ranges(len: usize) -> Vec<std::ops::Range<usize>> {
     if len == 0 {
-        return vec![0..0];
+        // One empty chunk, so that an empty message is still one (empty) frame.
+        return std::iter::once(0..0).collect();
     }
     (0..len)
         .step_by(CHAIN_CHUNK)

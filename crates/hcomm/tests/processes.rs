@@ -1,0 +1,375 @@
+//! Real processes: the test binary re-executes itself once per rank (with `HCOMM_TEST_WORKER`
+//! set, the test body runs as a rank instead of as the driver). Covers bootstrap from each
+//! launcher's variables and from a rank table, and a rank killed mid-job.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hcomm::{Communicator, Error, ReduceOp};
+
+const LAUNCH_VARS: &[&str] = &[
+    "HCOMM_RANK",
+    "HCOMM_WORLD_SIZE",
+    "HCOMM_LOCAL_RANK",
+    "HCOMM_LOCAL_WORLD_SIZE",
+    "HCOMM_MASTER_ADDR",
+    "HCOMM_MASTER_PORT",
+    "HCOMM_RANK_TABLE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_LAUNCH_NODE_IPADDR",
+];
+
+fn is_worker() -> bool {
+    std::env::var_os("HCOMM_TEST_WORKER").is_some()
+}
+
+/// Start `n` copies of this test binary running only `test`, rank `r` with `env(r)`.
+fn spawn(test: &str, n: usize, env: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Child> {
+    (0..n)
+        .map(|r| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
+            for v in LAUNCH_VARS {
+                cmd.env_remove(v);
+            }
+            cmd.env("HCOMM_TEST_WORKER", "1")
+                .env("HCOMM_TIMEOUT", "20s");
+            for (k, v) in env(r) {
+                cmd.env(k, v);
+            }
+            cmd.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Wait for every child (killing all of them after `limit`); returns (exit code, output).
+fn wait_all(mut kids: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
+    let start = Instant::now();
+    let mut codes: Vec<Option<Option<i32>>> = vec![None; kids.len()];
+    while codes.iter().any(|c| c.is_none()) {
+        for (i, k) in kids.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                if let Some(st) = k.try_wait().unwrap() {
+                    codes[i] = Some(st.code());
+                }
+            }
+        }
+        if start.elapsed() > limit {
+            for (i, k) in kids.iter_mut().enumerate() {
+                if codes[i].is_none() {
+                    let _ = k.kill();
+                    codes[i] = Some(k.wait().unwrap().code());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kids.iter_mut()
+        .zip(codes)
+        .map(|(k, c)| {
+            let mut out = String::new();
+            k.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+            k.stderr.take().unwrap().read_to_string(&mut out).unwrap();
+            (c.unwrap(), out)
+        })
+        .collect()
+}
+
+fn free_port() -> u16 {
+    hcomm::testing::free_port()
+}
+
+fn assert_all_ok(results: &[(Option<i32>, String)]) {
+    for (r, (code, out)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {r} failed:\n{out}");
+        assert!(out.contains("WORKER OK"), "rank {r} did not finish:\n{out}");
+    }
+}
+
+/// The worker side of the bootstrap tests: join from the environment, check the identity
+/// against `EXPECT_*`, run an all-reduce and a split.
+fn bootstrap_worker() {
+    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("bootstrap failed: {e}"));
+    let want = |k: &str| std::env::var(k).ok().map(|v| v.parse::<usize>().unwrap());
+    assert_eq!(Some(comm.rank()), want("EXPECT_RANK"));
+    assert_eq!(Some(comm.world_size()), want("EXPECT_SIZE"));
+    if let Some(l) = want("EXPECT_LOCAL_RANK") {
+        assert_eq!(comm.local_rank(), l);
+    }
+    let n = comm.world_size();
+    let mut v = vec![comm.rank() as u64 + 1; 1000];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    assert!(v.iter().all(|&x| x == (n * (n + 1) / 2) as u64));
+    println!("WORKER OK rank {} of {n}", comm.rank());
+}
+
+fn run_bootstrap(test: &str, n: usize, env: impl Fn(usize, u16) -> Vec<(&'static str, String)>) {
+    let port = free_port();
+    let kids = spawn(test, n, |r| {
+        let mut e: Vec<(String, String)> = env(r, port)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        e.push(("EXPECT_RANK".into(), r.to_string()));
+        e.push(("EXPECT_SIZE".into(), n.to_string()));
+        e
+    });
+    assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
+}
+
+#[test]
+fn bootstrap_from_hcomm_variables() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    run_bootstrap("bootstrap_from_hcomm_variables", 3, |r, port| {
+        vec![
+            ("HCOMM_RANK", r.to_string()),
+            ("HCOMM_WORLD_SIZE", "3".into()),
+            ("HCOMM_MASTER_ADDR", "127.0.0.1".into()),
+            ("HCOMM_MASTER_PORT", port.to_string()),
+            ("HCOMM_LOCAL_RANK", r.to_string()),
+            ("EXPECT_LOCAL_RANK", r.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn bootstrap_from_torchrun_variables() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    run_bootstrap("bootstrap_from_torchrun_variables", 3, |r, port| {
+        vec![
+            ("RANK", r.to_string()),
+            ("WORLD_SIZE", "3".into()),
+            ("LOCAL_RANK", r.to_string()),
+            ("LOCAL_WORLD_SIZE", "3".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", port.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn bootstrap_from_open_mpi_variables() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    run_bootstrap("bootstrap_from_open_mpi_variables", 2, |r, port| {
+        vec![
+            ("OMPI_COMM_WORLD_RANK", r.to_string()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+            ("HCOMM_MASTER_PORT", port.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn bootstrap_from_pmi_variables() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    run_bootstrap("bootstrap_from_pmi_variables", 2, |r, port| {
+        vec![
+            ("PMI_RANK", r.to_string()),
+            ("PMI_SIZE", "2".into()),
+            ("MPI_LOCALRANKID", r.to_string()),
+            ("MPI_LOCALNRANKS", "2".into()),
+            ("MASTER_PORT", port.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn bootstrap_from_slurm_variables() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    run_bootstrap("bootstrap_from_slurm_variables", 3, |r, port| {
+        vec![
+            ("SLURM_PROCID", r.to_string()),
+            ("SLURM_NTASKS", "3".into()),
+            ("SLURM_LOCALID", r.to_string()),
+            ("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1".into()),
+            ("HCOMM_MASTER_PORT", port.to_string()),
+        ]
+    });
+}
+
+#[test]
+fn bootstrap_from_a_rank_table() {
+    if is_worker() {
+        return bootstrap_worker();
+    }
+    let dir = std::env::temp_dir().join(format!("hcomm-ranktable-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("hcom_config.json");
+    let port = free_port();
+    let table = serde_json::json!({
+        "version": "1.0",
+        "world_size": 3,
+        "master": {"addr": "127.0.0.1", "port": port},
+        "timeout_s": 30,
+        "ranks": (0..3).map(|r| serde_json::json!({"rank": r, "host": "127.0.0.1", "local_rank": r, "host_id": "node-a"})).collect::<Vec<_>>(),
+    });
+    std::fs::write(&path, table.to_string()).unwrap();
+    let p = path.display().to_string();
+    let kids = spawn("bootstrap_from_a_rank_table", 3, |r| {
+        vec![
+            ("HCOMM_RANK_TABLE".into(), p.clone()),
+            ("RANK".into(), r.to_string()),
+            ("EXPECT_RANK".into(), r.to_string()),
+            ("EXPECT_SIZE".into(), "3".into()),
+            ("EXPECT_LOCAL_RANK".into(), r.to_string()),
+        ]
+    });
+    let res = wait_all(kids, Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_all_ok(&res);
+}
+
+#[test]
+fn bootstrap_errors_name_the_problem() {
+    if is_worker() {
+        let e = Communicator::from_env().err().expect("bootstrap must fail");
+        println!("ERROR: {e}");
+        return;
+    }
+    let cases: Vec<(Vec<(&str, String)>, &str)> = vec![
+        (vec![], "HCOMM_RANK"),
+        (
+            vec![("HCOMM_RANK", "x".into()), ("HCOMM_WORLD_SIZE", "2".into())],
+            "HCOMM_RANK=x",
+        ),
+        (
+            vec![("HCOMM_RANK", "2".into()), ("HCOMM_WORLD_SIZE", "2".into())],
+            "out of range",
+        ),
+        (vec![("RANK", "0".into())], "WORLD_SIZE"),
+        (
+            vec![
+                ("HCOMM_RANK_TABLE", "/nonexistent/hcom_config.json".into()),
+                ("RANK", "0".into()),
+            ],
+            "/nonexistent/hcom_config.json",
+        ),
+        // Rank 1 of 2 with nobody at the master: unreachable store within the timeout.
+        (
+            vec![
+                ("HCOMM_RANK", "1".into()),
+                ("HCOMM_WORLD_SIZE", "2".into()),
+                ("HCOMM_MASTER_ADDR", "127.0.0.1".into()),
+                ("HCOMM_MASTER_PORT", free_port().to_string()),
+                ("HCOMM_TIMEOUT", "1s".into()),
+            ],
+            "cannot reach the rendezvous store",
+        ),
+    ];
+    for (env, want) in cases {
+        let env2: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        let kids = spawn("bootstrap_errors_name_the_problem", 1, |_| env2.clone());
+        let (code, out) = wait_all(kids, Duration::from_secs(30)).remove(0);
+        assert_eq!(code, Some(0), "{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.split_once("ERROR:").map(|x| x.1))
+            .unwrap_or_else(|| panic!("no error line for {env:?}:\n{out}"));
+        assert!(
+            line.contains(want),
+            "env {env:?}: expected '{want}' in: {line}"
+        );
+    }
+}
+
+#[test]
+fn a_killed_rank_makes_every_survivor_fail_within_the_timeout() {
+    if is_worker() {
+        let comm = Communicator::from_env().unwrap();
+        let mut v = vec![1f32; 200_000];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+        if comm.rank() == 1 {
+            // Die hard, without closing anything politely.
+            nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)
+                .unwrap();
+        }
+        let start = Instant::now();
+        let err = loop {
+            if let Err(e) = comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+                break e;
+            }
+        };
+        let kind = match err {
+            Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
+            Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
+            ref other => format!("Other({other})"),
+        };
+        println!(
+            "\nSURVIVOR {} failed after {:.1}s: {kind}: {err}",
+            comm.rank(),
+            start.elapsed().as_secs_f64()
+        );
+        return;
+    }
+    let port = free_port();
+    let n = 4;
+    let kids = spawn(
+        "a_killed_rank_makes_every_survivor_fail_within_the_timeout",
+        n,
+        |r| {
+            vec![
+                ("HCOMM_RANK".into(), r.to_string()),
+                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+                ("HCOMM_MASTER_PORT".into(), port.to_string()),
+                ("HCOMM_TIMEOUT".into(), "5s".into()),
+            ]
+        },
+    );
+    let res = wait_all(kids, Duration::from_secs(60));
+    let mut seen = HashMap::new();
+    for (r, (code, out)) in res.iter().enumerate() {
+        if r == 1 {
+            assert_eq!(*code, None, "rank 1 should have been killed:\n{out}");
+            continue;
+        }
+        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
+            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        assert!(
+            line.contains("PeerClosed") || line.contains("Timeout"),
+            "rank {r}: {line}"
+        );
+        seen.insert(r, line.to_string());
+    }
+    assert_eq!(seen.len(), n - 1);
+}
