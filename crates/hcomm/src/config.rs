@@ -1545,7 +1545,7 @@ mod tests {
                 timeout: Duration::from_secs(120),
                 transport: TransportKind::Tcp,
                 socket_ifname: None,
-                listen_host: Some("10.0.0.2".into()),
+                listen_host: Some("10.0.0.1".into()),
                 token_file: Some(PathBuf::from("token")),
                 source: LaunchSource::RankTable,
             }
