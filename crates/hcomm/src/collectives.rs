@@ -661,7 +661,14 @@ impl Communicator {
             ));
         }
         let counts = vec![send.len() / w; w];
-        self.all_to_all_v_bytes(bytes(send), &counts, bytes_mut(recv), &counts, T::DTYPE)
+        self.all_to_all_impl(
+            bytes(send),
+            &counts,
+            bytes_mut(recv),
+            &counts,
+            T::DTYPE,
+            send.len(),
+        )
     }
 
     /// All-to-all with per-peer counts: `send_counts[p]` elements go to rank `p`,
@@ -691,6 +698,19 @@ impl Communicator {
         recv_counts: &[usize],
         dtype: DType,
     ) -> Result<()> {
+        // Counts legitimately differ between ranks, so the fingerprint carries none.
+        self.all_to_all_impl(send, send_counts, recv, recv_counts, dtype, 0)
+    }
+
+    fn all_to_all_impl(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+        fp_count: usize,
+    ) -> Result<()> {
         const OP: &str = "all_to_all";
         let n = self.world_size();
         let me = self.rank();
@@ -718,10 +738,6 @@ impl Communicator {
                 ),
             ));
         }
-        let uniform = send_counts
-            .iter()
-            .chain(recv_counts)
-            .all(|&c| c == send_counts[0]);
         let ss = count_segments(send_counts, dtype.size());
         let rs = count_segments(recv_counts, dtype.size());
         self.collective(
@@ -729,7 +745,7 @@ impl Communicator {
             Some(dtype),
             None,
             None,
-            if uniform { sc } else { 0 },
+            fp_count,
             send.len(),
             |run, _| basic::all_to_all_pairwise(run, send, &ss, recv, &rs),
         )

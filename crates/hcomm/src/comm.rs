@@ -116,6 +116,9 @@ pub(crate) fn describe_frame(h: &Header) -> String {
             if h.root != u32::MAX {
                 s += &format!(", root={}", h.root);
             }
+            if let Some(a) = Algo::from_code(h.algo).filter(|a| *a != Algo::Auto) {
+                s += &format!(", algo={a}");
+            }
             s + &format!(") at seq {}", h.seq)
         }
         Kind::P2p => format!("send(tag={}, {} bytes)", h.tag, h.count),
@@ -199,6 +202,8 @@ struct Inner {
     splits: u64,
     groups: HashMap<Vec<usize>, u64>,
     open_conns: HashSet<(usize, u32)>,
+    /// Id of the last point-to-point message sent to each peer.
+    p2p_ids: Vec<u64>,
 }
 
 /// A group of ranks that run collectives together.
@@ -409,6 +414,7 @@ impl Communicator {
                 splits: 0,
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
+                p2p_ids: vec![0; size],
             }),
             _server: server,
         })
@@ -584,6 +590,7 @@ impl Communicator {
             dtype: dtype.map_or(0, |d| d as u8),
             coll: coll as u8,
             redop: op.map_or(0, |o| o as u8),
+            algo: 0,
             root: root.map_or(u32::MAX, |r| r as u32),
             tag: 0,
             seq,
@@ -610,8 +617,13 @@ impl Communicator {
     {
         let (mut inner, ctx) = self.lock(coll.name())?;
         let algo = self.choose(&mut inner, coll, bytes);
-        let fp = Self::fingerprint(ctx.seq, coll, dtype, op, root, count);
-        let deadline = Instant::now() + self.timeout();
+        let fp = Header {
+            algo: algo.code(),
+            ..Self::fingerprint(ctx.seq, coll, dtype, op, root, count)
+        };
+        let timeout = self.timeout();
+        inner.links.set_op_timeout(timeout);
+        let deadline = Instant::now() + timeout;
         let result = {
             let mut run = Run {
                 links: &mut inner.links,
@@ -667,11 +679,15 @@ impl Communicator {
 
     // ----- point-to-point -----
 
-    /// Send `buf` to `peer` with `tag`. Returns once `peer` has posted the matching
-    /// [`recv`](Self::recv) and the data is handed to the transport (rendezvous semantics: two
-    /// ranks that both send to each other first deadlock until the timeout; use
-    /// [`send_recv`](Self::send_recv) to exchange). Sizes must match: a mismatch fails on both
-    /// sides.
+    /// Send `buf` to `peer` with `tag`.
+    ///
+    /// Messages up to 64 KiB are eager: `send` returns once the data is handed to the kernel,
+    /// and the receiver buffers it until its matching [`recv`](Self::recv). Larger messages are
+    /// rendezvous: `send` returns once the receiver has posted the matching receive and the
+    /// data is handed over (two ranks that both send a large message to each other before
+    /// receiving wait until the timeout; use [`send_recv`](Self::send_recv) to exchange).
+    /// Sizes must match: a mismatch fails the receive, and the send (large messages) or the
+    /// sender's next point-to-point call with that peer (eager ones).
     pub fn send<T: Element>(&self, peer: usize, tag: u32, buf: &[T]) -> Result<()> {
         self.send_bytes(peer, tag, bytemuck::cast_slice(buf))
     }
@@ -725,8 +741,23 @@ impl Communicator {
             self.check_peer(op, *p)?;
         }
         let (mut inner, ctx) = self.lock(op)?;
-        let deadline = Instant::now() + self.timeout();
-        let result = p2p_protocol(&mut inner.links, &ctx, send, recv, deadline);
+        let timeout = self.timeout();
+        inner.links.set_op_timeout(timeout);
+        let deadline = Instant::now() + timeout;
+        let send_id = match &send {
+            Some((p, _, _)) => {
+                inner.p2p_ids[*p] += 1;
+                inner.p2p_ids[*p]
+            }
+            None => 0,
+        };
+        let result = p2p_protocol(
+            &mut inner.links,
+            &ctx,
+            send.map(|(p, t, d)| (p, t, send_id, d)),
+            recv,
+            deadline,
+        );
         Self::finish(&mut inner, false, result)
     }
 
@@ -744,20 +775,20 @@ impl Communicator {
     fn control_send(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
         self.check_peer(op, peer)?;
         let (mut inner, ctx) = self.lock(op)?;
-        let deadline = Instant::now() + self.timeout();
+        let timeout = self.timeout();
+        inner.links.set_op_timeout(timeout);
+        let deadline = Instant::now() + timeout;
         let mut sends = vec![SendOp::new(peer, Header::new(kind, tag, 0), &[])];
         let r = inner.links.exchange(&ctx, &mut sends, &mut [], deadline);
-        // Closing towards a peer that has already gone is not an error.
-        if kind == Kind::Close && matches!(r, Err(Error::PeerClosed { .. })) {
-            return Ok(());
-        }
         Self::finish(&mut inner, false, r)
     }
 
     fn control_recv(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
         self.check_peer(op, peer)?;
         let (mut inner, ctx) = self.lock(op)?;
-        let deadline = Instant::now() + self.timeout();
+        let timeout = self.timeout();
+        inner.links.set_op_timeout(timeout);
+        let deadline = Instant::now() + timeout;
         let mut recvs = vec![RecvOp::control(peer, &[kind], tag)];
         let r = inner.links.exchange(&ctx, &mut [], &mut recvs, deadline);
         Self::finish(&mut inner, false, r)
@@ -887,15 +918,17 @@ impl Communicator {
 }
 
 /// The point-to-point protocol. Messages up to [`EAGER_MAX`] bytes go at once (the receiver
-/// buffers them if its receive is not posted yet, so messages match by (peer, tag) whatever
+/// stashes them if its receive is not posted yet, so messages match by (peer, tag) whatever
 /// order they are posted in); larger ones announce themselves (RTS), wait for the receiver's
-/// Ready, then send. A size mismatch fails the receive at once and is reported to the sender
-/// (Nack): at once for large messages, at its next point-to-point call with that peer for
-/// eager ones.
+/// Ready, then send. Every message carries an id (per sender and receiver) that Ready and Nack
+/// echo. A size mismatch fails the receive at once and is reported to the sender with a Nack:
+/// at once for large messages; for eager ones (whose `send` has already returned) by the
+/// sender's next point-to-point call with that peer that sees the Nack, at its start or its
+/// end (a receive from that peer always does, since the Nack precedes the peer's later data).
 fn p2p_protocol(
     links: &mut TcpLinks,
     ctx: &OpContext,
-    send: Option<(usize, u32, &[u8])>,
+    send: Option<(usize, u32, u64, &[u8])>,
     recv: Option<(usize, u32, &mut [u8])>,
     deadline: Instant,
 ) -> Result<()> {
@@ -905,7 +938,12 @@ fn p2p_protocol(
         tag,
         msg,
     };
-    for p in send.iter().map(|s| s.0).chain(recv.iter().map(|r| r.0)) {
+    let peers: Vec<usize> = send
+        .iter()
+        .map(|s| s.0)
+        .chain(recv.iter().map(|r| r.0))
+        .collect();
+    for &p in &peers {
         if let Some(n) = links.take_nack(p) {
             return Err(size_err(
                 p,
@@ -920,10 +958,11 @@ fn p2p_protocol(
     let mut sends: Vec<SendOp> = Vec::new();
     let mut recvs: Vec<RecvOp> = Vec::new();
     let mut deferred: Option<Error> = None;
-    let mut big_send: Option<(usize, u32, &[u8])> = None;
-    if let Some((p, tag, data)) = send {
+    let mut big_send: Option<(usize, u32, u64, &[u8])> = None;
+    if let Some((p, tag, id, data)) = send {
         let hdr = Header {
             count: data.len() as u64,
+            seq: id,
             ..Header::new(Kind::P2p, tag, 0)
         };
         if data.len() <= EAGER_MAX {
@@ -944,8 +983,8 @@ fn p2p_protocol(
                 },
                 &[],
             ));
-            recvs.push(RecvOp::control(p, &[Kind::Ready, Kind::Nack], tag));
-            big_send = Some((p, tag, data));
+            recvs.push(RecvOp::reply(p, tag, id));
+            big_send = Some((p, tag, id, data));
         }
     }
     if let Some((p, tag, buf)) = recv {
@@ -964,19 +1003,17 @@ fn p2p_protocol(
             let peer = r.peer();
             match h.kind {
                 Kind::Ready => {
-                    let (p, tag, data) = big_send.take().expect("a large send waits for Ready");
-                    sends.push(SendOp::new(
-                        p,
-                        Header {
-                            count: data.len() as u64,
-                            len: data.len() as u64,
-                            ..Header::new(Kind::P2p, tag, 0)
-                        },
-                        data,
-                    ));
+                    let (p, tag, id, data) = big_send.take().expect("a large send waits for Ready");
+                    let hdr = Header {
+                        count: data.len() as u64,
+                        len: data.len() as u64,
+                        seq: id,
+                        ..Header::new(Kind::P2p, tag, 0)
+                    };
+                    sends.push(SendOp::new(p, hdr, data));
                 }
                 Kind::Nack => {
-                    let (p, tag, data) = big_send.take().expect("a large send gets the Nack");
+                    let (p, tag, _, data) = big_send.take().expect("a large send gets the Nack");
                     deferred.get_or_insert(size_err(
                         p,
                         tag,
@@ -990,15 +1027,13 @@ fn p2p_protocol(
                 Kind::P2p | Kind::Rts => {
                     let buf = r.into_buf();
                     let mine = buf.len();
+                    let answer = |kind| Header {
+                        count: mine as u64,
+                        seq: h.seq,
+                        ..Header::new(kind, h.tag, 0)
+                    };
                     if h.count as usize != mine {
-                        sends.push(SendOp::new(
-                            peer,
-                            Header {
-                                count: mine as u64,
-                                ..Header::new(Kind::Nack, h.tag, 0)
-                            },
-                            &[],
-                        ));
+                        sends.push(SendOp::new(peer, answer(Kind::Nack), &[]));
                         deferred.get_or_insert(size_err(
                             peer,
                             h.tag,
@@ -1008,30 +1043,31 @@ fn p2p_protocol(
                             ),
                         ));
                     } else if h.kind == Kind::Rts {
-                        sends.push(SendOp::new(
-                            peer,
-                            Header {
-                                count: mine as u64,
-                                ..Header::new(Kind::Ready, h.tag, 0)
-                            },
-                            &[],
-                        ));
+                        sends.push(SendOp::new(peer, answer(Kind::Ready), &[]));
                         recvs.push(RecvOp::p2p_data(peer, h.tag, buf));
                     }
                 }
                 _ => unreachable!("only p2p frames are awaited here"),
             }
         }
-        // Finish flushing control frames (Nack/Ready) before returning an error.
-        if deferred.is_some() && recvs.is_empty() {
-            links.exchange(ctx, &mut sends, &mut [], deadline)?;
-            break;
+    }
+    if let Some(e) = deferred {
+        return Err(e);
+    }
+    // A Nack for an earlier eager message that arrived during this call.
+    for p in peers {
+        if let Some(n) = links.take_nack(p) {
+            return Err(size_err(
+                p,
+                n.tag,
+                format!(
+                    "an earlier message with tag {} to rank {p} did not match its {}-byte receive",
+                    n.tag, n.count
+                ),
+            ));
         }
     }
-    match deferred {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 struct BuildArgs {
@@ -1090,7 +1126,8 @@ impl Connection<'_> {
         self.comm.recv(self.peer, self.tag, buf)
     }
 
-    /// Close: tell the peer (if it is still there) and forget the connection.
+    /// Close the connection (a local operation: nothing is sent; messages already sent on it
+    /// can still be received through [`Communicator::recv`]).
     pub fn close(mut self) -> Result<()> {
         self.open = false;
         self.comm
@@ -1099,8 +1136,7 @@ impl Connection<'_> {
             .unwrap()
             .open_conns
             .remove(&(self.peer, self.tag));
-        self.comm
-            .control_send("close", self.peer, Kind::Close, self.tag)
+        Ok(())
     }
 }
 

@@ -84,6 +84,16 @@ pub enum Error {
         /// Its message.
         msg: String,
     },
+    /// A peer sent something the protocol does not allow (garbage, a frame nobody asked for).
+    #[error("{ctx}: protocol error on the link from rank {peer}: {msg}")]
+    Protocol {
+        /// Where.
+        ctx: OpContext,
+        /// The peer whose bytes were bad.
+        peer: usize,
+        /// What was wrong.
+        msg: String,
+    },
     /// An operating-system level I/O error.
     #[error("{ctx}: I/O error{}: {msg}", peer_suffix(.peer))]
     Io {

@@ -345,3 +345,137 @@ fn abort_unblocks_a_waiting_call() {
     let e = res.into_iter().next().unwrap().unwrap().unwrap();
     assert!(matches!(e, Error::Aborted { .. }), "{e}");
 }
+
+#[test]
+fn an_eager_nack_does_not_break_later_collectives() {
+    // Review finding: a Nack arriving during a collective must not fail it half-way.
+    let res = run_threads(2, T, |c| {
+        let mut v = vec![1f32; 1 << 20];
+        if c.rank() == 0 {
+            c.send(1, 0, &[0u8; 10])?;
+        } else {
+            assert!(matches!(
+                c.recv(0, 0, &mut [0u8; 20]),
+                Err(Error::SizeMismatch { .. })
+            ));
+        }
+        for _ in 0..3 {
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        }
+        // The sender hears of the mismatch at its next point-to-point call with that peer.
+        let next = if c.rank() == 0 {
+            c.send(1, 1, &[1u8])
+        } else {
+            c.recv(0, 1, &mut [0u8; 1])
+        };
+        Ok((v[0], next.err().map(|e| e.to_string())))
+    });
+    let out = all_ok(res);
+    assert_eq!(out[0].0, 8.0);
+    assert_eq!(out[1].0, 8.0);
+    let e0 = out[0].1.clone().expect("rank 0 must hear of the mismatch");
+    assert!(e0.contains("20-byte receive"), "{e0}");
+}
+
+#[test]
+fn a_tag_can_be_reused_after_a_size_mismatch() {
+    // Review finding: Ready/Nack must answer the right message (ids), not any with the tag.
+    all_ok(run_threads(2, T, |c| {
+        let big: Vec<u8> = (0..(1 << 20)).map(|i| (i % 251) as u8).collect();
+        if c.rank() == 0 {
+            c.send(1, 0, &[0u8; 10])?;
+            // The receiver's Nack precedes its next message, so this receive reports it.
+            let r = c.recv(1, 99, &mut [0u8; 1]);
+            assert!(
+                matches!(&r, Err(Error::SizeMismatch { tag: 0, .. })),
+                "{r:?}"
+            );
+            c.send(1, 0, &big)?;
+            c.send(1, 0, &big)?;
+        } else {
+            assert!(c.recv(0, 0, &mut [0u8; 20]).is_err());
+            c.send(0, 99, &[7u8])?;
+            let mut got = vec![0u8; 1 << 20];
+            c.recv(0, 0, &mut got)?;
+            assert_eq!(got, big);
+            got.fill(0);
+            c.recv(0, 0, &mut got)?;
+            assert_eq!(got, big);
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn both_ranks_sending_many_eager_messages_first_do_not_deadlock() {
+    // Review finding: a rank blocked in send must still drain the peer's eager messages.
+    all_ok(run_threads(2, T, |c| {
+        let other = 1 - c.rank();
+        let msg = vec![c.rank() as u8; 60 << 10];
+        for t in 0..300 {
+            c.send(other, t, &msg)?;
+        }
+        let mut got = vec![0u8; 60 << 10];
+        for t in 0..300 {
+            c.recv(other, t, &mut got)?;
+            assert!(got.iter().all(|&x| x == other as u8));
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_to_all_v_with_counts_that_differ_between_ranks() {
+    // Review finding: the fingerprint must not depend on per-rank counts.
+    let send_counts = [[1usize, 1, 1], [1, 1, 2], [1, 1, 1]];
+    all_ok(run_threads(3, T, |c| {
+        let me = c.rank();
+        let sc = send_counts[me];
+        let rc: Vec<usize> = (0..3).map(|p| send_counts[p][me]).collect();
+        let send: Vec<i32> = (0..3)
+            .flat_map(|p| (0..sc[p]).map(move |i| (me * 100 + p * 10 + i) as i32))
+            .collect();
+        let mut recv = vec![0i32; rc.iter().sum()];
+        c.all_to_all_v(&send, &sc, &mut recv, &rc)?;
+        let want: Vec<i32> = (0..3)
+            .flat_map(|p| (0..rc[p]).map(move |i| (p * 100 + me * 10 + i) as i32))
+            .collect();
+        assert_eq!(recv, want);
+        Ok(())
+    }));
+}
+
+#[test]
+fn timeout_errors_report_the_timeout() {
+    let res = run_threads(2, T, |c| {
+        c.set_timeout(Duration::from_millis(250));
+        if c.rank() == 0 {
+            return Ok(Some(c.wait_signal(1, 0).unwrap_err().to_string()));
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        Ok(None)
+    });
+    let msg = res.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(msg.contains("250ms"), "{msg}");
+}
+
+#[test]
+fn ranks_with_different_algorithms_fail_at_once_naming_them() {
+    let res = run_threads(3, T, |c| {
+        let algo = if c.rank() == 0 {
+            hcomm::Algo::Tree
+        } else {
+            hcomm::Algo::Chain
+        };
+        c.set_algorithm(hcomm::Collective::Broadcast, algo)?;
+        let mut b = vec![0u8; 4 << 20];
+        Ok(c.broadcast(&mut b, 0).err().map(|e| e.to_string()))
+    });
+    let msgs: Vec<String> = res.into_iter().filter_map(|r| r.unwrap()).collect();
+    assert!(!msgs.is_empty());
+    assert!(
+        msgs.iter()
+            .any(|m| m.contains("algo=tree") && m.contains("algo=chain")),
+        "{msgs:?}"
+    );
+}

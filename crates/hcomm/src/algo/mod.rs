@@ -42,6 +42,36 @@ pub enum Algo {
 }
 
 impl Algo {
+    /// Code carried in collective fingerprints.
+    pub fn code(self) -> u8 {
+        match self {
+            Algo::Auto => 0,
+            Algo::Ring => 1,
+            Algo::RecursiveDoubling => 2,
+            Algo::Tree => 3,
+            Algo::Chain => 4,
+            Algo::Linear => 5,
+            Algo::Pairwise => 6,
+            Algo::Dissemination => 7,
+        }
+    }
+
+    /// Decode a fingerprint code.
+    pub fn from_code(c: u8) -> Option<Algo> {
+        [
+            Algo::Auto,
+            Algo::Ring,
+            Algo::RecursiveDoubling,
+            Algo::Tree,
+            Algo::Chain,
+            Algo::Linear,
+            Algo::Pairwise,
+            Algo::Dissemination,
+        ]
+        .into_iter()
+        .find(|a| a.code() == c)
+    }
+
     /// Name used by `HCOMM_ALGO` and in logs.
     pub fn name(self) -> &'static str {
         match self {

@@ -146,7 +146,9 @@ fn serve(mut c: TcpStream, stop: &AtomicBool, table: &Table) -> io::Result<()> {
                         .try_into()
                         .unwrap(),
                 );
-                let deadline = Instant::now() + Duration::from_millis(ms);
+                let deadline = Instant::now()
+                    .checked_add(Duration::from_millis(ms))
+                    .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86400));
                 let mut map = table.map.lock().unwrap();
                 let value = loop {
                     if let Some(v) = map.get(&key) {

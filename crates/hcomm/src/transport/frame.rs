@@ -7,10 +7,11 @@
 //!      3    1 dtype code (0 = bytes)
 //!      4    1 collective code (fingerprint; 0 for point-to-point)
 //!      5    1 reduce-op code (0 = none)
-//!      6    2 reserved (0)
+//!      6    1 algorithm code (fingerprint; 0 for point-to-point)
+//!      7    1 reserved (0)
 //!      8    4 root (u32::MAX = none)
 //!     12    4 tag (user tag for point-to-point, step for collectives)
-//!     16    8 seq (collective sequence number)
+//!     16    8 seq (collective sequence number; point-to-point message id)
 //!     24    8 count (elements the caller passed; fingerprint)
 //!     32    8 len (payload bytes that follow)
 //! ```
@@ -72,6 +73,8 @@ pub struct Header {
     pub coll: u8,
     /// Reduce-op code.
     pub redop: u8,
+    /// Algorithm code (collectives): ranks running different schedules fail at once.
+    pub algo: u8,
     /// Root rank or `u32::MAX`.
     pub root: u32,
     /// Tag / step.
@@ -92,6 +95,7 @@ impl Header {
             dtype: 0,
             coll: 0,
             redop: 0,
+            algo: 0,
             root: u32::MAX,
             tag,
             seq: 0,
@@ -108,6 +112,7 @@ impl Header {
         b[3] = self.dtype;
         b[4] = self.coll;
         b[5] = self.redop;
+        b[6] = self.algo;
         b[8..12].copy_from_slice(&self.root.to_le_bytes());
         b[12..16].copy_from_slice(&self.tag.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
@@ -132,6 +137,7 @@ impl Header {
             dtype: b[3],
             coll: b[4],
             redop: b[5],
+            algo: b[6],
             root: u32_at(8),
             tag: u32_at(12),
             seq: u64_at(16),
@@ -146,6 +152,7 @@ impl Header {
             && self.coll == other.coll
             && self.dtype == other.dtype
             && self.redop == other.redop
+            && self.algo == other.algo
             && self.root == other.root
             && self.seq == other.seq
             && self.count == other.count
@@ -159,8 +166,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn roundtrip(kind in 1u8..=8, dtype: u8, coll: u8, redop: u8, root: u32, tag: u32, seq: u64, count: u64, len: u64) {
-            let h = Header { kind: Kind::from_u8(kind).unwrap(), dtype, coll, redop, root, tag, seq, count, len };
+        fn roundtrip(kind in 1u8..=8, dtype: u8, coll: u8, redop: u8, algo: u8, root: u32, tag: u32, seq: u64, count: u64, len: u64) {
+            let h = Header { kind: Kind::from_u8(kind).unwrap(), dtype, coll, redop, algo, root, tag, seq, count, len };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
 

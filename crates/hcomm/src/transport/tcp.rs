@@ -3,13 +3,20 @@
 //!
 //! * Each rank listens on one address (the chosen interface, never all interfaces by default).
 //! * Links are made lazily, per direction: the first time rank `a` sends to `b` it connects to
-//!   `b`'s listener; the first time `b` receives from `a` it accepts that connection. A ring
-//!   therefore opens 2 sockets per rank, not `n - 1`.
+//!   `b`'s listener; the first time `b` reads from `a` it accepts that connection. A ring
+//!   therefore opens 2 sockets per rank, not `n - 1`. Accepted sockets must greet (rank and
+//!   communicator) within [`GREETING_DEADLINE`]; strangers are dropped without stalling the
+//!   loop.
 //! * Every frame starts with a [`Header`]; collectives carry their fingerprint in it.
-//! * Point-to-point data uses a receiver-ready protocol: `recv` sends a `Ready` frame with its
-//!   buffer size, `send` waits for it and sends the data. Both sides therefore see a size
-//!   mismatch, and data never arrives unannounced (no unbounded buffering).
-//! * Memory per link: a 64 KiB input buffer; reducing receives use a 256 KiB staging buffer.
+//! * Point-to-point: messages up to [`EAGER_MAX`] bytes are sent at once and stashed by the
+//!   receiver until its receive is posted; larger ones send an RTS, wait for the receiver's
+//!   Ready (or Nack on a size mismatch), then the data. Ready and Nack name the message id.
+//! * While a rank waits with nothing to do, it also drains control frames and eager messages
+//!   from links it is not reading for the current operation (so two ranks that both send
+//!   first never deadlock on full socket buffers); a link whose next frame belongs to a later
+//!   operation is parked until that operation reads it.
+//! * Memory per link: a 64 KiB input buffer, stashed eager messages up to
+//!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer.
 
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, OpContext, Result};
@@ -27,12 +34,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x4843_4f48; // "HCOH"
+const HELLO_LEN: usize = 16;
 const IBUF: usize = 64 << 10;
 /// Staging size for reducing receives.
 pub const STAGING: usize = 256 << 10;
 const DIRECT_READ_MIN: usize = 16 << 10;
-/// Largest stash of control frames (signals, ready, connect) per peer before we call it abuse.
-const MAX_STASH: usize = 1 << 20;
+/// Messages up to this size are sent eagerly (no handshake) and buffered by the receiver if
+/// it has not posted the receive yet; larger ones wait for the receiver (RTS / Ready).
+pub const EAGER_MAX: usize = 64 << 10;
+/// Most bytes of frames nobody has asked for yet buffered from one peer (each counts its
+/// payload plus [`STASH_ENTRY_COST`]).
+pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
+/// Accounting cost of one stashed frame besides its payload.
+pub const STASH_ENTRY_COST: usize = 64;
+/// While waiting for a peer that has not connected yet, check this often that it is alive.
+const PROBE_INTERVAL: Duration = Duration::from_millis(500);
+/// An accepted connection that has not greeted within this time is dropped.
+pub const GREETING_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Where received payload goes.
 pub enum Sink<'a> {
@@ -84,13 +102,9 @@ impl<'a> SendOp<'a> {
         HEADER_LEN + self.data.len()
     }
 
-    fn done(&self) -> bool {
-        self.written == self.total()
-    }
-
     /// True once every byte is handed to the kernel.
     pub fn is_done(&self) -> bool {
-        self.done()
+        self.written == self.total()
     }
 }
 
@@ -116,6 +130,13 @@ pub enum Expect {
     Coll(Header),
     /// A control frame (no payload) of one of these kinds with this tag.
     Control(KindSet, u32),
+    /// The receiver's answer (Ready or Nack) to our message `id` with `tag`.
+    Reply {
+        /// User tag.
+        tag: u32,
+        /// Message id (the RTS's `seq`).
+        id: u64,
+    },
     /// Point-to-point data with this tag, after the RTS/Ready handshake.
     P2pData(u32),
     /// The first frame of a point-to-point message with this tag: eager data, or an RTS.
@@ -129,13 +150,19 @@ impl Expect {
             _ => None,
         }
     }
-}
 
-/// Messages up to this size are sent eagerly (no handshake) and buffered by the receiver if
-/// it has not posted the receive yet; larger ones wait for the receiver (RTS / Ready).
-pub const EAGER_MAX: usize = 64 << 10;
-/// Most unreceived eager bytes buffered from one peer.
-pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
+    /// Does a control frame `h` (or a stashed eager message, `eager`) satisfy this?
+    fn accepts(&self, h: &Header, eager: bool) -> bool {
+        match *self {
+            Expect::Control(set, tag) => !eager && set.has(h.kind) && h.tag == tag,
+            Expect::Reply { tag, id } => {
+                !eager && matches!(h.kind, Kind::Ready | Kind::Nack) && h.tag == tag && h.seq == id
+            }
+            Expect::P2pFirst(tag) => h.tag == tag && (eager || h.kind == Kind::Rts),
+            Expect::Coll(_) | Expect::P2pData(_) => false,
+        }
+    }
+}
 
 /// A frame to receive.
 pub struct RecvOp<'a> {
@@ -181,6 +208,11 @@ impl<'a> RecvOp<'a> {
         )
     }
 
+    /// Receive the answer (Ready or Nack) to our message `id` with `tag`.
+    pub fn reply(peer: usize, tag: u32, id: u64) -> RecvOp<'a> {
+        Self::make(peer, Expect::Reply { tag, id }, Sink::Buf(&mut []))
+    }
+
     fn make(peer: usize, expect: Expect, sink: Sink<'a>) -> RecvOp<'a> {
         RecvOp {
             peer,
@@ -210,16 +242,16 @@ impl<'a> RecvOp<'a> {
         self.got.is_some()
     }
 
+    fn done(&self) -> bool {
+        self.got.is_some()
+    }
+
     /// Give back the receive buffer (for a follow-up receive into the same memory).
     pub fn into_buf(self) -> &'a mut [u8] {
         match self.sink {
             Sink::Buf(b) => b,
             Sink::Reduce { dst, .. } => dst,
         }
-    }
-
-    fn done(&self) -> bool {
-        self.got.is_some()
     }
 
     /// Deliver payload bytes (never more than the frame holds).
@@ -245,8 +277,7 @@ impl<'a> RecvOp<'a> {
 
     fn flush_staging_if_full(&mut self) {
         let cap = self.staging.len() * 8;
-        let total = self.sink.len();
-        if self.staged == cap || self.delivered + self.staged == total {
+        if self.staged == cap || self.delivered + self.staged == self.sink.len() {
             self.flush_staging();
         }
     }
@@ -298,7 +329,7 @@ impl<'a> RecvOp<'a> {
 
 /// A frame that arrived before anyone waited for it.
 enum Stashed {
-    /// A control frame (signal, connect, RTS, …).
+    /// A control frame (signal, connect, RTS, Nack, …).
     Control(Header),
     /// An eager point-to-point message.
     Eager(Header, Vec<u8>),
@@ -324,23 +355,60 @@ struct Inbound {
     cur: Option<(Target, usize)>,
     /// Frames that arrived before anyone waited for them, in arrival order.
     stash: VecDeque<Stashed>,
+    /// Accounting of the stash (payload + per-entry cost).
     stash_bytes: usize,
+    /// The next frame belongs to a later operation: do not read until someone asks.
+    parked: bool,
+    /// The peer closed this link (seen while nobody needed it).
+    eof: bool,
 }
 
 impl Inbound {
-    /// Complete `r` from the stash if a matching frame is there.
+    fn new(sock: Socket) -> Inbound {
+        Inbound {
+            sock,
+            ibuf: vec![0u8; IBUF],
+            ipos: 0,
+            iend: 0,
+            cur: None,
+            stash: VecDeque::new(),
+            stash_bytes: 0,
+            parked: false,
+            eof: false,
+        }
+    }
+
+    /// Can `len` more payload bytes be stashed?
+    fn room_for(&self, len: usize) -> bool {
+        self.stash_bytes + len + STASH_ENTRY_COST <= MAX_UNEXPECTED_BYTES
+    }
+
+    fn push_stash(&mut self, s: Stashed) {
+        self.stash_bytes += STASH_ENTRY_COST
+            + match &s {
+                Stashed::Eager(_, d) => d.len(),
+                Stashed::Control(_) => 0,
+            };
+        self.stash.push_back(s);
+    }
+
+    /// Complete `r` from the stash if a matching frame is there (first in arrival order).
     fn take_stashed(&mut self, r: &mut RecvOp) {
-        let pos = self.stash.iter().position(|s| match (s, r.expect) {
-            (Stashed::Control(h), Expect::Control(set, tag)) => set.has(h.kind) && h.tag == tag,
-            (Stashed::Control(h), Expect::P2pFirst(tag)) => h.kind == Kind::Rts && h.tag == tag,
-            (Stashed::Eager(h, _), Expect::P2pFirst(tag)) => h.tag == tag,
-            _ => false,
+        if r.done() {
+            return;
+        }
+        let pos = self.stash.iter().position(|s| match s {
+            Stashed::Control(h) => r.expect.accepts(h, false),
+            Stashed::Eager(h, _) => r.expect.accepts(h, true),
         });
         let Some(pos) = pos else { return };
         match self.stash.remove(pos).expect("present") {
-            Stashed::Control(h) => r.got = Some(h),
+            Stashed::Control(h) => {
+                self.stash_bytes -= STASH_ENTRY_COST;
+                r.got = Some(h);
+            }
             Stashed::Eager(h, data) => {
-                self.stash_bytes -= data.len();
+                self.stash_bytes -= STASH_ENTRY_COST + data.len();
                 if data.len() == r.sink.len() {
                     r.deliver(&data);
                 }
@@ -349,17 +417,26 @@ impl Inbound {
         }
     }
 
-    /// Take a stashed `Nack` from this peer, if any.
+    /// Take a stashed `Nack` (the answer to an earlier eager message), if any.
     fn take_nack(&mut self) -> Option<Header> {
         let pos = self
             .stash
             .iter()
             .position(|s| matches!(s, Stashed::Control(h) if h.kind == Kind::Nack))?;
+        self.stash_bytes -= STASH_ENTRY_COST;
         match self.stash.remove(pos) {
             Some(Stashed::Control(h)) => Some(h),
             _ => None,
         }
     }
+}
+
+/// An accepted connection that has not greeted yet.
+struct Greeting {
+    sock: Socket,
+    buf: [u8; HELLO_LEN],
+    got: usize,
+    since: Instant,
 }
 
 /// The TCP links of one communicator.
@@ -370,6 +447,7 @@ pub struct TcpLinks {
     listener: Socket,
     out: Vec<Option<Socket>>,
     inb: Vec<Option<Inbound>>,
+    greeting: Vec<Greeting>,
     policy: WaitPolicy,
     /// Reused staging buffers for reducing receives.
     staging_pool: Vec<Vec<u64>>,
@@ -377,10 +455,21 @@ pub struct TcpLinks {
     abort: Arc<AtomicBool>,
     /// Source of receive ids.
     next_id: u64,
+    /// The deadline's length of the current operation (for error messages).
+    op_timeout: Duration,
 }
 
 fn would_block(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted
+}
+
+/// How `pump_recv` reads a link.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Someone in this exchange waits for this peer: read and dispatch everything.
+    Posted,
+    /// Nobody waits: take only frames that can be stashed, park at anything else.
+    Opportunistic,
 }
 
 impl TcpLinks {
@@ -411,16 +500,23 @@ impl TcpLinks {
             listener,
             out: (0..n).map(|_| None).collect(),
             inb: (0..n).map(|_| None).collect(),
+            greeting: Vec::new(),
             policy,
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
             next_id: 1,
+            op_timeout: Duration::ZERO,
         }
     }
 
     /// Share the communicator's abort flag.
     pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
         self.abort = flag;
+    }
+
+    /// The timeout of the operation about to run (reported in timeout errors).
+    pub fn set_op_timeout(&mut self, d: Duration) {
+        self.op_timeout = d;
     }
 
     /// The IP address the listener is bound to.
@@ -446,10 +542,10 @@ impl TcpLinks {
         let addr = self.peers[peer];
         let left = deadline
             .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(10));
+            .clamp(Duration::from_millis(10), Duration::from_secs(30));
         let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        s.connect_timeout(&SockAddr::from(addr), left.min(Duration::from_secs(30)))
+        s.connect_timeout(&SockAddr::from(addr), left)
             .map_err(|e| match e.kind() {
                 io::ErrorKind::ConnectionRefused => Error::PeerClosed {
                     ctx: ctx.clone(),
@@ -466,61 +562,95 @@ impl TcpLinks {
             })?;
         s.set_nodelay(true)
             .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        let mut hello = [0u8; 16];
+        let mut hello = [0u8; HELLO_LEN];
         hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         hello[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
         hello[8..16].copy_from_slice(&self.comm_hash.to_le_bytes());
         let mut w = &s;
-        std::io::Write::write_all(&mut w, &hello)
-            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        std::io::Write::write_all(&mut w, &hello).map_err(|e| peer_io_error(ctx, peer, e))?;
         s.set_nonblocking(true)
             .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
         self.out[peer] = Some(s);
         Ok(())
     }
 
-    /// Accept every pending connection and register the ones that greet correctly.
+    /// Accept every pending connection; each must greet before it becomes a link.
     fn accept_pending(&mut self, ctx: &OpContext) -> Result<bool> {
         let mut any = false;
         loop {
-            let (s, _) = match self.listener.accept() {
-                Ok(x) => x,
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    if s.set_nonblocking(true).is_ok() {
+                        self.greeting.push(Greeting {
+                            sock: s,
+                            buf: [0; HELLO_LEN],
+                            got: 0,
+                            since: Instant::now(),
+                        });
+                        any = true;
+                    }
+                }
                 Err(e) if would_block(&e) => return Ok(any),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
                 Err(e) => return Err(Error::io(ctx.clone(), None, format!("accept: {e}"))),
-            };
-            // A stranger that does not greet within a second is dropped; the job goes on.
-            let _ = s.set_nonblocking(false);
-            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-            let mut hello = [0u8; 16];
-            let mut r = &s;
-            if r.read_exact(&mut hello).is_err() {
+            }
+        }
+    }
+
+    /// Read greetings; register the good ones, drop strangers and the slow.
+    fn pump_greetings(&mut self) -> bool {
+        let mut progress = false;
+        let mut i = 0;
+        while i < self.greeting.len() {
+            let g = &mut self.greeting[i];
+            let mut drop_it = g.since.elapsed() > GREETING_DEADLINE;
+            if !drop_it {
+                match (&g.sock).read(&mut g.buf[g.got..]) {
+                    Ok(0) => drop_it = true,
+                    Ok(n) => {
+                        g.got += n;
+                        progress = true;
+                    }
+                    Err(e) if would_block(&e) => {}
+                    Err(_) => drop_it = true,
+                }
+            }
+            if !drop_it && g.got < HELLO_LEN {
+                i += 1;
                 continue;
             }
-            let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap());
-            let peer = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
-            let hash = u64::from_le_bytes(hello[8..16].try_into().unwrap());
+            let g = self.greeting.swap_remove(i);
+            if drop_it {
+                continue;
+            }
+            let magic = u32::from_le_bytes(g.buf[0..4].try_into().unwrap());
+            let peer = u32::from_le_bytes(g.buf[4..8].try_into().unwrap()) as usize;
+            let hash = u64::from_le_bytes(g.buf[8..16].try_into().unwrap());
             if magic != HELLO_MAGIC
                 || hash != self.comm_hash
                 || peer >= self.peers.len()
                 || self.inb[peer].is_some()
             {
-                tracing::warn!(peer, "dropping a data connection with a bad greeting");
+                tracing::warn!("dropping a data connection with a bad greeting");
                 continue;
             }
-            let _ = s.set_read_timeout(None);
-            s.set_nonblocking(true)
-                .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-            let _ = s.set_nodelay(true);
-            self.inb[peer] = Some(Inbound {
-                sock: s,
-                ibuf: vec![0u8; IBUF],
-                ipos: 0,
-                iend: 0,
-                cur: None,
-                stash: VecDeque::new(),
-                stash_bytes: 0,
-            });
-            any = true;
+            let _ = g.sock.set_nodelay(true);
+            self.inb[peer] = Some(Inbound::new(g.sock));
+            progress = true;
+        }
+        progress
+    }
+
+    /// Connect to `peer`'s listener and hang up: refused means the rank is gone.
+    fn probe(&self, ctx: &OpContext, peer: usize) -> Result<()> {
+        let addr = self.peers[peer];
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(Error::PeerClosed {
+                ctx: ctx.clone(),
+                peer,
+                detail: format!("it never connected and its listener {addr} is gone"),
+            }),
+            _ => Ok(()),
         }
     }
 
@@ -528,6 +658,11 @@ impl TcpLinks {
         self.staging_pool
             .pop()
             .unwrap_or_else(|| vec![0u64; STAGING / 8])
+    }
+
+    /// Take a `Nack` that `peer` sent about an earlier eager message, if any.
+    pub fn take_nack(&mut self, peer: usize) -> Option<Header> {
+        self.inb.get_mut(peer)?.as_mut()?.take_nack()
     }
 
     /// Drive all `sends` and `recvs` to completion, concurrently, before `deadline`.
@@ -566,18 +701,14 @@ impl TcpLinks {
             if matches!(r.sink, Sink::Reduce { .. }) && r.staging.is_empty() {
                 r.staging = self.take_staging();
             }
-        }
-        // Frames that arrived earlier.
-        for r in recvs.iter_mut() {
-            if matches!(r.expect, Expect::Control(..) | Expect::P2pFirst(_)) {
-                if let Some(inb) = self.inb[r.peer].as_mut() {
-                    inb.take_stashed(r);
-                }
+            if let Some(inb) = self.inb[r.peer].as_mut() {
+                inb.take_stashed(r);
             }
         }
         let result = self.drive(ctx, sends, recvs, deadline, any);
         for r in recvs.iter_mut() {
-            if !r.staging.is_empty() {
+            // A partly filled staging buffer stays with its receive.
+            if !r.staging.is_empty() && (r.done() || r.staged == 0) {
                 self.staging_pool.push(std::mem::take(&mut r.staging));
             }
         }
@@ -593,21 +724,23 @@ impl TcpLinks {
         any: bool,
     ) -> Result<()> {
         let mut spinner = Spinner::new(self.policy);
+        let mut woke = false;
+        let started = Instant::now();
+        let mut last_probe = started;
         loop {
             let mut progress = false;
-            // Sends: the first unfinished send of each peer.
             for i in 0..sends.len() {
-                if sends[i].done()
+                if sends[i].is_done()
                     || sends[..i]
                         .iter()
-                        .any(|s| s.peer == sends[i].peer && !s.done())
+                        .any(|s| s.peer == sends[i].peer && !s.is_done())
                 {
                     continue;
                 }
                 progress |= self.pump_send(ctx, &mut sends[i])?;
             }
-            // Receives: read from every peer we expect something from.
             let mut need_accept = false;
+            let mut unconnected = None;
             for i in 0..recvs.len() {
                 if recvs[i].done()
                     || recvs[..i]
@@ -619,45 +752,58 @@ impl TcpLinks {
                 let peer = recvs[i].peer;
                 if self.inb[peer].is_none() {
                     need_accept = true;
+                    unconnected = Some(peer);
                     continue;
                 }
-                progress |= self.pump_recv(ctx, peer, recvs)?;
+                progress |= self.pump_recv(ctx, peer, recvs, Mode::Posted)?;
             }
-            if need_accept {
-                progress |= self.accept_pending(ctx)?;
-            }
-            if sends.iter().all(|s| s.done()) && recvs.iter().all(|r| r.done()) {
+            if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
             }
             if any && recvs.iter().any(|r| r.done()) {
                 return Ok(());
             }
+            if need_accept || woke {
+                progress |= self.accept_pending(ctx)?;
+            }
+            if !self.greeting.is_empty() {
+                progress |= self.pump_greetings();
+            }
+            // A peer that never connects may be dead: is its listener still there?
+            if let Some(peer) = unconnected.filter(|p| self.inb[*p].is_none()) {
+                if last_probe.elapsed() >= PROBE_INTERVAL {
+                    last_probe = Instant::now();
+                    self.probe(ctx, peer)?;
+                }
+            }
+            if !progress {
+                // Idle: drain what other links hold for later operations.
+                for peer in 0..self.inb.len() {
+                    let idle_link = matches!(&self.inb[peer], Some(inb) if !inb.parked && !inb.eof)
+                        && !recvs.iter().any(|r| r.peer == peer && !r.done());
+                    if idle_link {
+                        progress |= self.pump_recv(ctx, peer, recvs, Mode::Opportunistic)?;
+                    }
+                }
+            }
             if self.abort.load(Ordering::Relaxed) {
                 return Err(Error::Aborted { ctx: ctx.clone() });
             }
+            if Instant::now() >= deadline {
+                return Err(self.timeout_error(ctx, sends, recvs));
+            }
+            woke = false;
             if progress {
                 spinner.reset();
-                continue;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.timeout_error(ctx, sends, recvs, deadline, now));
-            }
-            if spinner.idle() {
-                self.block(ctx, sends, recvs, need_accept, deadline)?;
+            } else if spinner.idle() {
+                self.block(ctx, sends, recvs, deadline)?;
                 spinner.reset();
+                woke = true;
             }
         }
     }
 
-    fn timeout_error(
-        &self,
-        ctx: &OpContext,
-        sends: &[SendOp],
-        recvs: &[RecvOp],
-        deadline: Instant,
-        now: Instant,
-    ) -> Error {
+    fn timeout_error(&self, ctx: &OpContext, sends: &[SendOp], recvs: &[RecvOp]) -> Error {
         let mut peers = Vec::new();
         let mut detail = Vec::new();
         for r in recvs.iter().filter(|r| !r.done()) {
@@ -665,6 +811,7 @@ impl TcpLinks {
             let what = match r.expect {
                 Expect::Coll(h) => format!("step {}", h.tag),
                 Expect::P2pData(tag) | Expect::P2pFirst(tag) => format!("message tag {tag}"),
+                Expect::Reply { tag, .. } => format!("the go-ahead for message tag {tag}"),
                 Expect::Control(_, tag) => format!("signal/handshake tag {tag}"),
             };
             detail.push(format!(
@@ -674,7 +821,7 @@ impl TcpLinks {
                 r.sink.len()
             ));
         }
-        for s in sends.iter().filter(|s| !s.done()) {
+        for s in sends.iter().filter(|s| !s.is_done()) {
             peers.push(s.peer);
             detail.push(format!(
                 "send to rank {} ({} of {} bytes)",
@@ -685,39 +832,42 @@ impl TcpLinks {
         }
         peers.sort_unstable();
         peers.dedup();
-        let _ = now;
         Error::Timeout {
             ctx: ctx.clone(),
             peers,
-            after: deadline.saturating_duration_since(now).max(Duration::ZERO),
+            after: self.op_timeout,
             detail: format!("still waiting to {}", detail.join("; ")),
         }
     }
 
-    /// Block in poll(2) until a socket we care about is ready or the deadline passes.
+    /// Block in poll(2) until a socket we care about is ready or 100 ms pass.
     fn block(
         &self,
         ctx: &OpContext,
         sends: &[SendOp],
         recvs: &[RecvOp],
-        need_accept: bool,
         deadline: Instant,
     ) -> Result<()> {
-        let mut fds: Vec<PollFd> = Vec::with_capacity(sends.len() + recvs.len() + 1);
-        for s in sends.iter().filter(|s| !s.done()) {
+        let mut fds: Vec<PollFd> =
+            Vec::with_capacity(sends.len() + self.inb.len() + self.greeting.len() + 1);
+        for s in sends.iter().filter(|s| !s.is_done()) {
             if let Some(sock) = &self.out[s.peer] {
                 fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLOUT));
             }
         }
-        for r in recvs.iter().filter(|r| !r.done()) {
-            if let Some(inb) = &self.inb[r.peer] {
-                fds.push(PollFd::new(inb.sock.as_fd(), PollFlags::POLLIN));
+        for (peer, inb) in self.inb.iter().enumerate() {
+            if let Some(inb) = inb {
+                let wanted = recvs.iter().any(|r| r.peer == peer && !r.done());
+                if wanted || !(inb.parked || inb.eof) {
+                    fds.push(PollFd::new(inb.sock.as_fd(), PollFlags::POLLIN));
+                }
             }
         }
-        if need_accept {
-            fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        for g in &self.greeting {
+            fds.push(PollFd::new(g.sock.as_fd(), PollFlags::POLLIN));
         }
-        // Wake at least every 100 ms so that a deadline is honoured promptly.
+        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        // Wake at least every 100 ms so that deadlines and aborts are honoured promptly.
         let left = deadline
             .saturating_duration_since(Instant::now())
             .min(Duration::from_millis(100));
@@ -731,13 +881,12 @@ impl TcpLinks {
     fn pump_send(&mut self, ctx: &OpContext, s: &mut SendOp) -> Result<bool> {
         let sock = self.out[s.peer].as_ref().expect("connected");
         let mut progress = false;
-        while !s.done() {
+        while !s.is_done() {
             let res = if s.written < HEADER_LEN {
                 let bufs = [IoSlice::new(&s.hdr[s.written..]), IoSlice::new(s.data)];
-                sock.send_vectored_with_flags(&bufs, libc_nosignal())
+                sock.send_vectored_with_flags(&bufs, nosignal())
             } else {
-                let off = s.written - HEADER_LEN;
-                sock.send_with_flags(&s.data[off..], libc_nosignal())
+                sock.send_with_flags(&s.data[s.written - HEADER_LEN..], nosignal())
             };
             match res {
                 Ok(0) => break,
@@ -752,30 +901,44 @@ impl TcpLinks {
         Ok(progress)
     }
 
-    /// Take a `Nack` that `peer` sent about an earlier eager message, if any.
-    pub fn take_nack(&mut self, peer: usize) -> Option<Header> {
-        self.inb.get_mut(peer)?.as_mut()?.take_nack()
-    }
-
-    /// Read and dispatch frames from `peer` as long as data is available and someone wants it.
-    fn pump_recv(&mut self, ctx: &OpContext, peer: usize, recvs: &mut [RecvOp]) -> Result<bool> {
+    /// Read and dispatch frames from `peer` as long as data is available and (in `Posted`
+    /// mode) someone wants it, or (in `Opportunistic` mode) the frames can be stashed.
+    fn pump_recv(
+        &mut self,
+        ctx: &OpContext,
+        peer: usize,
+        recvs: &mut [RecvOp],
+        mode: Mode,
+    ) -> Result<bool> {
         let inb = self.inb[peer].as_mut().expect("accepted");
+        if mode == Mode::Posted {
+            inb.parked = false;
+        }
+        let wanted = |recvs: &[RecvOp]| recvs.iter().any(|r| r.peer == peer && !r.done());
         let mut progress = false;
         loop {
             // Payload of the current frame.
             if let Some((target, left)) = inb.cur.take() {
-                let slot = |id: u64| recvs.iter().position(|r| r.id == id);
                 let idx = match &target {
-                    Target::Recv(id) | Target::Discard(id) => match slot(*id) {
-                        Some(i) => i,
-                        None => {
-                            return Err(Error::io(
-                                ctx.clone(),
-                                Some(peer),
-                                "internal: a partly received message lost its receive",
-                            ));
+                    Target::Recv(id) | Target::Discard(id) => {
+                        match recvs.iter().position(|r| r.id == *id) {
+                            Some(i) => i,
+                            None => {
+                                // Only an opportunistic pass can see a frame whose receive is not
+                                // part of this exchange; leave it for the exchange that owns it.
+                                inb.cur = Some((target, left));
+                                if mode == Mode::Opportunistic {
+                                    inb.parked = true;
+                                    return Ok(progress);
+                                }
+                                return Err(Error::io(
+                                    ctx.clone(),
+                                    Some(peer),
+                                    "internal: a partly received message lost its receive",
+                                ));
+                            }
                         }
-                    },
+                    }
                     Target::Stash(..) => usize::MAX,
                 };
                 if left == 0 {
@@ -786,10 +949,16 @@ impl TcpLinks {
                             r.got = r.pending;
                         }
                         Target::Discard(_) => recvs[idx].got = recvs[idx].pending,
-                        Target::Stash(h, data) => inb.stash.push_back(Stashed::Eager(h, data)),
+                        Target::Stash(h, data) => {
+                            inb.push_stash(Stashed::Eager(h, data));
+                            // A receive posted while this frame was on its way takes it now.
+                            for r in recvs.iter_mut().filter(|r| r.peer == peer) {
+                                inb.take_stashed(r);
+                            }
+                        }
                     }
                     progress = true;
-                    if !recvs.iter().any(|r| r.peer == peer && !r.done()) {
+                    if mode == Mode::Posted && !wanted(recvs) {
                         return Ok(progress);
                     }
                     continue;
@@ -798,14 +967,11 @@ impl TcpLinks {
                 if buffered > 0 {
                     let n = buffered.min(left);
                     let bytes = &inb.ibuf[inb.ipos..inb.ipos + n];
-                    match &target {
-                        Target::Recv(_) => recvs[idx].deliver(bytes),
-                        Target::Discard(_) => {}
-                        Target::Stash(..) => {}
-                    }
                     let mut target = target;
-                    if let Target::Stash(_, v) = &mut target {
-                        v.extend_from_slice(bytes);
+                    match &mut target {
+                        Target::Recv(_) => recvs[idx].deliver(bytes),
+                        Target::Stash(_, v) => v.extend_from_slice(bytes),
+                        Target::Discard(_) => {}
                     }
                     inb.ipos += n;
                     inb.cur = Some((target, left - n));
@@ -814,7 +980,7 @@ impl TcpLinks {
                 }
                 inb.ipos = 0;
                 inb.iend = 0;
-                if let (Target::Recv(_), true) = (&target, left >= DIRECT_READ_MIN) {
+                if matches!(target, Target::Recv(_)) && left >= DIRECT_READ_MIN && !inb.eof {
                     let buf = recvs[idx].direct_target(left);
                     match (&inb.sock).read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
@@ -832,10 +998,10 @@ impl TcpLinks {
                     }
                 }
                 inb.cur = Some((target, left));
-                match fill(inb, ctx, peer)? {
-                    true => continue,
-                    false => return Ok(progress),
+                if !fill(inb, ctx, peer, mode)? {
+                    return Ok(progress);
                 }
+                continue;
             }
             // Need a header.
             if inb.iend - inb.ipos < HEADER_LEN {
@@ -844,19 +1010,39 @@ impl TcpLinks {
                     inb.iend -= inb.ipos;
                     inb.ipos = 0;
                 }
-                match fill(inb, ctx, peer)? {
-                    true => continue,
-                    false => return Ok(progress),
+                if !fill(inb, ctx, peer, mode)? {
+                    return Ok(progress);
                 }
+                continue;
             }
             let raw: [u8; HEADER_LEN] = inb.ibuf[inb.ipos..inb.ipos + HEADER_LEN]
                 .try_into()
                 .unwrap();
-            let hdr = Header::decode(&raw).map_err(|m| Error::Remote {
+            let hdr = Header::decode(&raw).map_err(|msg| Error::Protocol {
                 ctx: ctx.clone(),
                 peer,
-                msg: format!("protocol error: {m}"),
+                msg,
             })?;
+            let len = hdr.len as usize;
+            let is_control = !matches!(hdr.kind, Kind::Collective | Kind::P2p);
+            if is_control && len != 0 {
+                return Err(Error::Protocol {
+                    ctx: ctx.clone(),
+                    peer,
+                    msg: format!("{:?} frame with a {len}-byte payload", hdr.kind),
+                });
+            }
+            if mode == Mode::Opportunistic {
+                let stashable = if is_control {
+                    inb.room_for(0)
+                } else {
+                    hdr.kind == Kind::P2p && len <= EAGER_MAX && inb.room_for(len)
+                };
+                if !stashable {
+                    inb.parked = true;
+                    return Ok(progress);
+                }
+            }
             inb.ipos += HEADER_LEN;
             progress = true;
             let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
@@ -868,10 +1054,9 @@ impl TcpLinks {
                 Kind::Collective => {
                     let idx = match_collective(ctx, peer, &hdr, recvs)?;
                     recvs[idx].pending = Some(hdr);
-                    inb.cur = Some((Target::Recv(recvs[idx].id), hdr.len as usize));
+                    inb.cur = Some((Target::Recv(recvs[idx].id), len));
                 }
                 Kind::P2p => {
-                    let len = hdr.len as usize;
                     if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
                         recvs[idx].pending = Some(hdr);
                         let id = recvs[idx].id;
@@ -881,67 +1066,38 @@ impl TcpLinks {
                             Target::Discard(id)
                         };
                         inb.cur = Some((t, len));
-                    } else if len <= EAGER_MAX {
-                        if inb.stash_bytes + len > MAX_UNEXPECTED_BYTES {
-                            return Err(Error::Remote {
-                                ctx: ctx.clone(),
-                                peer,
-                                msg: format!("rank {peer} sent more than {MAX_UNEXPECTED_BYTES} bytes of messages that no receive has been posted for"),
-                            });
-                        }
-                        inb.stash_bytes += len;
+                    } else if len <= EAGER_MAX && inb.room_for(len) {
                         inb.cur = Some((Target::Stash(hdr, Vec::with_capacity(len)), len));
-                    } else if let Some(idx) =
-                        pending_of(recvs, &|r| matches!(r.expect, Expect::Coll(_)))
-                    {
-                        let _ = idx;
-                        return Err(unexpected(ctx, peer, &hdr, recvs));
-                    } else {
-                        return Err(Error::Remote {
+                    } else if len <= EAGER_MAX {
+                        return Err(Error::Protocol {
                             ctx: ctx.clone(),
                             peer,
-                            msg: format!("protocol error: {len}-byte message with tag {} sent without a handshake", hdr.tag),
+                            msg: format!("more than {MAX_UNEXPECTED_BYTES} bytes of messages that no receive has been posted for"),
+                        });
+                    } else {
+                        return Err(Error::Protocol {
+                            ctx: ctx.clone(),
+                            peer,
+                            msg: format!(
+                                "{len}-byte message with tag {} sent without a handshake",
+                                hdr.tag
+                            ),
                         });
                     }
                 }
                 _ => {
-                    if hdr.len != 0 {
-                        return Err(Error::Remote {
-                            ctx: ctx.clone(),
-                            peer,
-                            msg: format!("protocol error: {:?} frame with a payload", hdr.kind),
-                        });
-                    }
-                    let waiting = pending_of(recvs, &|r| match r.expect {
-                        Expect::Control(set, t) => set.has(hdr.kind) && t == hdr.tag,
-                        Expect::P2pFirst(t) => hdr.kind == Kind::Rts && t == hdr.tag,
-                        _ => false,
-                    });
-                    match waiting {
+                    match pending_of(recvs, &|r| r.expect.accepts(&hdr, false)) {
                         Some(idx) => recvs[idx].got = Some(hdr),
-                        None if hdr.kind == Kind::Nack => {
-                            return Err(Error::SizeMismatch {
+                        None if inb.room_for(0) => inb.push_stash(Stashed::Control(hdr)),
+                        None => {
+                            return Err(Error::Protocol {
                                 ctx: ctx.clone(),
                                 peer,
-                                tag: hdr.tag,
-                                msg: format!(
-                                    "rank {peer} rejected an earlier message with tag {}: its receive is {} bytes",
-                                    hdr.tag, hdr.count
-                                ),
-                            })
-                        }
-                        None => {
-                            if inb.stash.len() >= MAX_STASH {
-                                return Err(Error::Remote {
-                                    ctx: ctx.clone(),
-                                    peer,
-                                    msg: "too many unconsumed signals/control frames".into(),
-                                });
-                            }
-                            inb.stash.push_back(Stashed::Control(hdr));
+                                msg: "too many unconsumed signals/control frames".into(),
+                            });
                         }
                     }
-                    if !recvs.iter().any(|r| r.peer == peer && !r.done()) {
+                    if mode == Mode::Posted && !wanted(recvs) {
                         return Ok(progress);
                     }
                 }
@@ -963,6 +1119,7 @@ fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> E
             Expect::P2pData(t) | Expect::P2pFirst(t) => {
                 format!("recv(tag={t}, {} bytes)", r.sink.len())
             }
+            Expect::Reply { tag, .. } => format!("the go-ahead for its send(tag={tag})"),
             Expect::Control(_, t) => format!("a signal/handshake with tag {t}"),
         })
         .unwrap_or_else(|| "nothing from it".into());
@@ -999,14 +1156,36 @@ fn match_collective(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]
     }
 }
 
-fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize) -> Result<bool> {
+/// Read more into the link's input buffer: `Ok(true)` if bytes came. End of stream is an
+/// error when someone waits for this peer (`Posted`), and is only remembered otherwise (a peer
+/// that finished and left is no error until somebody needs it).
+fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<bool> {
+    if inb.eof {
+        return if mode == Mode::Posted {
+            Err(closed(ctx, peer))
+        } else {
+            Ok(false)
+        };
+    }
     match (&inb.sock).read(&mut inb.ibuf[inb.iend..]) {
-        Ok(0) => Err(closed(ctx, peer)),
+        Ok(0) => {
+            inb.eof = true;
+            if mode == Mode::Posted {
+                Err(closed(ctx, peer))
+            } else {
+                Ok(false)
+            }
+        }
         Ok(n) => {
             inb.iend += n;
             Ok(true)
         }
         Err(e) if would_block(&e) => Ok(false),
+        Err(e) if mode == Mode::Opportunistic => {
+            tracing::debug!(peer, "link closed: {e}");
+            inb.eof = true;
+            Ok(false)
+        }
         Err(e) => Err(peer_io_error(ctx, peer, e)),
     }
 }
@@ -1032,6 +1211,6 @@ fn peer_io_error(ctx: &OpContext, peer: usize, e: io::Error) -> Error {
     }
 }
 
-fn libc_nosignal() -> i32 {
+fn nosignal() -> i32 {
     nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()
 }
