@@ -299,7 +299,8 @@ fn check_once(op: BenchOp, comm: &Communicator, b: &mut Bufs, o: &BenchOpts) -> 
 pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row> {
     let n = comm.world_size();
     let op = o.op;
-    if let BenchOp::Coll(c) = op {
+    // `--algo auto` leaves HCOMM_ALGO (or an earlier set_algorithm) in force.
+    if let (BenchOp::Coll(c), false) = (op, o.algo == Algo::Auto) {
         comm.set_algorithm(c, o.algo)?;
     }
     let root = if op.rooted() { o.root } else { 0 };

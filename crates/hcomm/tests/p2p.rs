@@ -331,6 +331,8 @@ fn a_closed_peer_is_reported_by_name() {
 fn abort_unblocks_a_waiting_call() {
     let res = run_threads(2, T, |c| {
         if c.rank() == 1 {
+            // Stay alive (a gone peer is a different error) but never send.
+            std::thread::sleep(Duration::from_millis(1500));
             return Ok(None);
         }
         std::thread::scope(|s| {

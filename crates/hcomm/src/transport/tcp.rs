@@ -2,8 +2,11 @@
 //! transfers at once (full duplex) with one thread.
 //!
 //! * Each rank listens on one address (the chosen interface, never all interfaces by default).
-//! * Links are made lazily, per direction: the first time rank `a` sends to `b` it connects to
-//!   `b`'s listener; the first time `b` reads from `a` it accepts that connection. A ring
+//! * One socket per pair of ranks, used in both directions (so acknowledgements ride on data:
+//!   two one-way sockets cost ~2.5 µs more per message on loopback), made lazily the first
+//!   time either rank needs it. The lower rank connects. A higher rank that needs the link
+//!   first connects and asks; the lower rank adopts that socket and answers with one ack byte,
+//!   or drops it when it has connected itself (then the higher rank accepts that one). A ring
 //!   therefore opens 2 sockets per rank, not `n - 1`. Accepted sockets must greet (rank and
 //!   communicator) within [`GREETING_DEADLINE`]; strangers are dropped without stalling the
 //!   loop.
@@ -34,6 +37,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x4843_4f48; // "HCOH"
+/// The byte a lower rank sends on a socket a higher rank opened, adopting it as their link.
+const ADOPT_ACK: u8 = 0xA5;
+/// A higher rank whose ask was dropped asks again after this long without a link.
+const ASK_AGAIN: Duration = Duration::from_secs(1);
 const HELLO_LEN: usize = 16;
 const IBUF: usize = 64 << 10;
 /// Staging size for reducing receives.
@@ -47,8 +54,6 @@ pub const EAGER_MAX: usize = 64 << 10;
 pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
 /// Accounting cost of one stashed frame besides its payload.
 pub const STASH_ENTRY_COST: usize = 64;
-/// While waiting for a peer that has not connected yet, check this often that it is alive.
-const PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// An accepted connection that has not greeted within this time is dropped.
 pub const GREETING_DEADLINE: Duration = Duration::from_secs(5);
 
@@ -363,8 +368,24 @@ struct Inbound {
     eof: bool,
 }
 
+/// Socket buffer sizes (`HCOMM_SOCKET_BUF`, bytes; 0 keeps the kernel's autotuning).
+fn socket_buf() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("HCOMM_SOCKET_BUF")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 impl Inbound {
     fn new(sock: Socket) -> Inbound {
+        let b = socket_buf();
+        if b > 0 {
+            let _ = sock.set_send_buffer_size(b);
+            let _ = sock.set_recv_buffer_size(b);
+        }
         Inbound {
             sock,
             ibuf: vec![0u8; IBUF],
@@ -445,8 +466,12 @@ pub struct TcpLinks {
     peers: Vec<SocketAddr>,
     comm_hash: u64,
     listener: Socket,
-    out: Vec<Option<Socket>>,
+    /// The link with each peer (one socket, both directions).
     inb: Vec<Option<Inbound>>,
+    /// Sockets this (higher) rank opened to a lower rank, waiting for its adoption ack.
+    asking: Vec<Option<Socket>>,
+    /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
+    asked_at: Vec<Option<Instant>>,
     greeting: Vec<Greeting>,
     policy: WaitPolicy,
     /// Reused staging buffers for reducing receives.
@@ -457,6 +482,8 @@ pub struct TcpLinks {
     next_id: u64,
     /// The deadline's length of the current operation (for error messages).
     op_timeout: Duration,
+    /// poll(2) saw a connection waiting on the listener.
+    listener_ready: bool,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -498,14 +525,16 @@ impl TcpLinks {
             peers,
             comm_hash,
             listener,
-            out: (0..n).map(|_| None).collect(),
             inb: (0..n).map(|_| None).collect(),
+            asking: (0..n).map(|_| None).collect(),
+            asked_at: vec![None; n],
             greeting: Vec::new(),
             policy,
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
             next_id: 1,
             op_timeout: Duration::ZERO,
+            listener_ready: false,
         }
     }
 
@@ -531,14 +560,30 @@ impl TcpLinks {
 
     /// The number of sockets currently open (both directions), for memory/fd accounting.
     pub fn open_links(&self) -> usize {
-        self.out.iter().filter(|s| s.is_some()).count()
-            + self.inb.iter().filter(|s| s.is_some()).count()
+        self.inb.iter().filter(|s| s.is_some()).count()
     }
 
-    fn connect_out(&mut self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<()> {
-        if self.out[peer].is_some() {
-            return Ok(());
+    /// Make sure a link with `peer` exists or is on its way. Returns whether it exists now.
+    fn ensure_link(&mut self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<bool> {
+        if self.inb[peer].is_some() {
+            return Ok(true);
         }
+        if self.rank > peer {
+            let recently = self.asked_at[peer].is_some_and(|t| t.elapsed() < ASK_AGAIN);
+            if self.asking[peer].is_none() && !recently {
+                let s = self.dial(ctx, peer, deadline)?;
+                self.asking[peer] = Some(s);
+                self.asked_at[peer] = Some(Instant::now());
+            }
+            return Ok(false);
+        }
+        let s = self.dial(ctx, peer, deadline)?;
+        self.inb[peer] = Some(Inbound::new(s));
+        Ok(true)
+    }
+
+    /// Connect to `peer`'s listener and greet.
+    fn dial(&self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<Socket> {
         let addr = self.peers[peer];
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -570,8 +615,34 @@ impl TcpLinks {
         std::io::Write::write_all(&mut w, &hello).map_err(|e| peer_io_error(ctx, peer, e))?;
         s.set_nonblocking(true)
             .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        self.out[peer] = Some(s);
-        Ok(())
+        Ok(s)
+    }
+
+    /// Higher rank: read the lower ranks' answers to our asks.
+    fn pump_asking(&mut self) -> bool {
+        let mut progress = false;
+        for peer in 0..self.asking.len() {
+            let Some(sock) = &self.asking[peer] else {
+                continue;
+            };
+            let mut b = [0u8; 1];
+            match (&*sock).read(&mut b) {
+                Ok(1) if b[0] == ADOPT_ACK => {
+                    let s = self.asking[peer].take().expect("asking");
+                    if self.inb[peer].is_none() {
+                        self.inb[peer] = Some(Inbound::new(s));
+                    }
+                    progress = true;
+                }
+                Err(e) if would_block(&e) => {}
+                // Dropped (the lower rank connected itself) or garbage: wait for its connection.
+                _ => {
+                    self.asking[peer] = None;
+                    progress = true;
+                }
+            }
+        }
+        progress
     }
 
     /// Accept every pending connection; each must greet before it becomes a link.
@@ -629,29 +700,29 @@ impl TcpLinks {
             if magic != HELLO_MAGIC
                 || hash != self.comm_hash
                 || peer >= self.peers.len()
-                || self.inb[peer].is_some()
+                || peer == self.rank
             {
                 tracing::warn!("dropping a data connection with a bad greeting");
                 continue;
             }
             let _ = g.sock.set_nodelay(true);
-            self.inb[peer] = Some(Inbound::new(g.sock));
+            if peer < self.rank {
+                // The lower rank connected: this is our link; any ask of ours is moot.
+                self.asking[peer] = None;
+                if self.inb[peer].is_none() {
+                    self.inb[peer] = Some(Inbound::new(g.sock));
+                }
+            } else if self.inb[peer].is_none() {
+                // A higher rank asks: adopt its socket.
+                let mut w = &g.sock;
+                if std::io::Write::write_all(&mut w, &[ADOPT_ACK]).is_ok() {
+                    self.inb[peer] = Some(Inbound::new(g.sock));
+                }
+            }
+            // Else we already connected to that higher rank: dropping this socket tells it so.
             progress = true;
         }
         progress
-    }
-
-    /// Connect to `peer`'s listener and hang up: refused means the rank is gone.
-    fn probe(&self, ctx: &OpContext, peer: usize) -> Result<()> {
-        let addr = self.peers[peer];
-        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(Error::PeerClosed {
-                ctx: ctx.clone(),
-                peer,
-                detail: format!("it never connected and its listener {addr} is gone"),
-            }),
-            _ => Ok(()),
-        }
     }
 
     fn take_staging(&mut self) -> Vec<u64> {
@@ -690,8 +761,13 @@ impl TcpLinks {
         deadline: Instant,
         any: bool,
     ) -> Result<()> {
-        for s in sends.iter() {
-            self.connect_out(ctx, s.peer, deadline)?;
+        let peers: Vec<usize> = sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+            .collect();
+        for peer in peers {
+            self.ensure_link(ctx, peer, deadline)?;
         }
         for r in recvs.iter_mut() {
             if r.id == 0 {
@@ -725,10 +801,9 @@ impl TcpLinks {
     ) -> Result<()> {
         let mut spinner = Spinner::new(self.policy);
         let mut woke = false;
-        let started = Instant::now();
-        let mut last_probe = started;
         loop {
             let mut progress = false;
+            let mut missing = false;
             for i in 0..sends.len() {
                 if sends[i].is_done()
                     || sends[..i]
@@ -737,10 +812,12 @@ impl TcpLinks {
                 {
                     continue;
                 }
+                if self.inb[sends[i].peer].is_none() {
+                    missing = true;
+                    continue;
+                }
                 progress |= self.pump_send(ctx, &mut sends[i])?;
             }
-            let mut need_accept = false;
-            let mut unconnected = None;
             for i in 0..recvs.len() {
                 if recvs[i].done()
                     || recvs[..i]
@@ -751,8 +828,7 @@ impl TcpLinks {
                 }
                 let peer = recvs[i].peer;
                 if self.inb[peer].is_none() {
-                    need_accept = true;
-                    unconnected = Some(peer);
+                    missing = true;
                     continue;
                 }
                 progress |= self.pump_recv(ctx, peer, recvs, Mode::Posted)?;
@@ -763,18 +839,23 @@ impl TcpLinks {
             if any && recvs.iter().any(|r| r.done()) {
                 return Ok(());
             }
-            if need_accept || woke {
+            if missing {
+                // Links on their way: asks answered, connections accepted, asks repeated.
+                progress |= self.pump_asking();
+                for peer in sends
+                    .iter()
+                    .map(|s| s.peer)
+                    .chain(recvs.iter().map(|r| r.peer))
+                {
+                    self.ensure_link(ctx, peer, deadline)?;
+                }
+            }
+            if missing || woke && self.listener_ready {
+                self.listener_ready = false;
                 progress |= self.accept_pending(ctx)?;
             }
             if !self.greeting.is_empty() {
                 progress |= self.pump_greetings();
-            }
-            // A peer that never connects may be dead: is its listener still there?
-            if let Some(peer) = unconnected.filter(|p| self.inb[*p].is_none()) {
-                if last_probe.elapsed() >= PROBE_INTERVAL {
-                    last_probe = Instant::now();
-                    self.probe(ctx, peer)?;
-                }
             }
             if !progress {
                 // Idle: drain what other links hold for later operations.
@@ -842,7 +923,7 @@ impl TcpLinks {
 
     /// Block in poll(2) until a socket we care about is ready or 100 ms pass.
     fn block(
-        &self,
+        &mut self,
         ctx: &OpContext,
         sends: &[SendOp],
         recvs: &[RecvOp],
@@ -850,18 +931,23 @@ impl TcpLinks {
     ) -> Result<()> {
         let mut fds: Vec<PollFd> =
             Vec::with_capacity(sends.len() + self.inb.len() + self.greeting.len() + 1);
-        for s in sends.iter().filter(|s| !s.is_done()) {
-            if let Some(sock) = &self.out[s.peer] {
-                fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLOUT));
-            }
-        }
         for (peer, inb) in self.inb.iter().enumerate() {
             if let Some(inb) = inb {
                 let wanted = recvs.iter().any(|r| r.peer == peer && !r.done());
+                let mut flags = PollFlags::empty();
                 if wanted || !(inb.parked || inb.eof) {
-                    fds.push(PollFd::new(inb.sock.as_fd(), PollFlags::POLLIN));
+                    flags |= PollFlags::POLLIN;
+                }
+                if sends.iter().any(|s| s.peer == peer && !s.is_done()) {
+                    flags |= PollFlags::POLLOUT;
+                }
+                if !flags.is_empty() {
+                    fds.push(PollFd::new(inb.sock.as_fd(), flags));
                 }
             }
+        }
+        for sock in self.asking.iter().flatten() {
+            fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLIN));
         }
         for g in &self.greeting {
             fds.push(PollFd::new(g.sock.as_fd(), PollFlags::POLLIN));
@@ -872,14 +958,20 @@ impl TcpLinks {
             .saturating_duration_since(Instant::now())
             .min(Duration::from_millis(100));
         let ms = left.as_millis().max(1) as u16;
-        match poll(&mut fds, PollTimeout::from(ms)) {
-            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
-            Err(e) => Err(Error::io(ctx.clone(), None, format!("poll: {e}"))),
-        }
+        let listener_ready = match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => fds
+                .last()
+                .and_then(|f| f.revents())
+                .is_some_and(|r| r.intersects(PollFlags::POLLIN | PollFlags::POLLERR)),
+            Err(e) => return Err(Error::io(ctx.clone(), None, format!("poll: {e}"))),
+        };
+        drop(fds);
+        self.listener_ready |= listener_ready;
+        Ok(())
     }
 
     fn pump_send(&mut self, ctx: &OpContext, s: &mut SendOp) -> Result<bool> {
-        let sock = self.out[s.peer].as_ref().expect("connected");
+        let sock = &self.inb[s.peer].as_ref().expect("linked").sock;
         let mut progress = false;
         while !s.is_done() {
             let res = if s.written < HEADER_LEN {
