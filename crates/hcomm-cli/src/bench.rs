@@ -109,6 +109,32 @@ pub struct BenchOpts {
     pub root: usize,
     /// Algorithm to force.
     pub algo: Algo,
+    /// When > 0: choose the iterations per repeat so that one repeat takes about this many
+    /// seconds (the loop of `../shared/bench`), instead of `iters`.
+    pub target_secs: f64,
+    /// Timed repeats per size; the row reports the median (and the fastest).
+    pub reps: usize,
+}
+
+impl BenchOpts {
+    /// Defaults as nccl-tests: 5 warm-up and 20 timed calls, one repeat, checked.
+    pub fn new(op: BenchOp) -> BenchOpts {
+        BenchOpts {
+            op,
+            min_bytes: 8,
+            max_bytes: 64 << 20,
+            factor: 2,
+            warmup: 5,
+            iters: 20,
+            check: true,
+            dtype: DType::F32,
+            redop: ReduceOp::Sum,
+            root: 0,
+            algo: Algo::Auto,
+            target_secs: 0.0,
+            reps: 1,
+        }
+    }
 }
 
 /// One result row.
@@ -132,8 +158,12 @@ pub struct Row {
     pub algo: String,
     /// Transport.
     pub transport: String,
-    /// Mean time per call, max over ranks, in microseconds.
+    /// Mean time per call, max over ranks, in microseconds (median over repeats).
     pub time_us: f64,
+    /// The fastest repeat's time per call.
+    pub time_us_min: f64,
+    /// Calls per repeat.
+    pub iters: usize,
     /// Algorithm bandwidth, GB/s.
     pub algbw: f64,
     /// Bus bandwidth, GB/s.
@@ -317,14 +347,31 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
     for _ in 0..o.warmup {
         call(op, comm, &mut b, o.dtype, o.redop, root)?;
     }
-    comm.barrier()?;
-    let t0 = Instant::now();
-    for _ in 0..o.iters.max(1) {
+    let iters = if o.target_secs > 0.0 {
+        // Every rank must run the same number of calls: agree on the slowest estimate.
+        comm.barrier()?;
+        let t0 = Instant::now();
         call(op, comm, &mut b, o.dtype, o.redop, root)?;
+        let mut one = [t0.elapsed().as_secs_f64()];
+        comm.all_reduce_in_place(&mut one, ReduceOp::Max)?;
+        ((o.target_secs / one[0].max(1e-7)) as usize).clamp(1, 1_000_000)
+    } else {
+        o.iters.max(1)
+    };
+    let mut times = Vec::with_capacity(o.reps.max(1));
+    for _ in 0..o.reps.max(1) {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            call(op, comm, &mut b, o.dtype, o.redop, root)?;
+        }
+        let mut per_call = [t0.elapsed().as_secs_f64() / iters as f64];
+        comm.all_reduce_in_place(&mut per_call, ReduceOp::Max)?;
+        times.push(per_call[0] / if op == BenchOp::SendRecv { 2.0 } else { 1.0 });
     }
-    let mut per_call = [t0.elapsed().as_secs_f64() / o.iters.max(1) as f64];
-    comm.all_reduce_in_place(&mut per_call, ReduceOp::Max)?;
-    let per_call = per_call[0] / if op == BenchOp::SendRecv { 2.0 } else { 1.0 };
+    times.sort_by(f64::total_cmp);
+    let per_call = times[times.len() / 2];
+    let fastest = times[0];
     let es = o.dtype.size();
     let shown = match op {
         BenchOp::Coll(
@@ -361,6 +408,8 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         algo,
         transport: "tcp".into(),
         time_us: per_call * 1e6,
+        time_us_min: fastest * 1e6,
+        iters,
         algbw,
         busbw: algbw * op.busbw_factor(n),
         wrong,
@@ -389,48 +438,178 @@ pub fn format_row(r: &Row) -> String {
     )
 }
 
+/// Where a sweep's results go besides the table.
+#[derive(Clone, Debug, Default)]
+pub struct Output {
+    /// One JSON object per row on stdout instead of the table.
+    pub json: bool,
+    /// Write an SVG plot of busbw and time against size here.
+    pub plot: Option<std::path::PathBuf>,
+    /// Append the rows (with a timestamp) to this JSON-lines file, and compare each row with
+    /// the last run of the same configuration found there.
+    pub results: Option<std::path::PathBuf>,
+}
+
+/// Key of a configuration in the results history.
+fn history_key(r: &serde_json::Value) -> String {
+    [
+        "op",
+        "ranks",
+        "bytes",
+        "dtype",
+        "redop",
+        "root",
+        "transport",
+        "algo",
+    ]
+    .iter()
+    .map(|k| r.get(*k).map(|v| v.to_string()).unwrap_or_default())
+    .collect::<Vec<_>>()
+    .join("|")
+}
+
+/// Compare `rows` with the latest earlier rows of the same configuration in `path`, print the
+/// comparison, then append `rows`.
+fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut last: std::collections::HashMap<String, serde_json::Value> =
+        std::collections::HashMap::new();
+    if let Ok(text) = std::fs::read_to_string(path) {
+        for line in text.lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                last.insert(history_key(&v), v);
+            }
+        }
+    }
+    let when = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    for r in rows {
+        let mut v = serde_json::to_value(r).expect("row serialises");
+        v["unix_time"] = when.into();
+        v["host"] = host.clone().into();
+        if let Some(prev) = last.get(&history_key(&v)) {
+            let before = prev["time_us"].as_f64().unwrap_or(0.0);
+            if before > 0.0 && r.time_us > 0.0 {
+                let ratio = before / r.time_us;
+                let verdict = if ratio > 1.05 {
+                    "faster"
+                } else if ratio < 0.95 {
+                    "slower"
+                } else {
+                    "about the same"
+                };
+                println!(
+                    "# {} {} B: {:.2} us now, {:.2} us last time ({} s ago on {}): {verdict} ({ratio:.2}x)",
+                    r.op,
+                    r.bytes,
+                    r.time_us,
+                    before,
+                    when.saturating_sub(prev["unix_time"].as_u64().unwrap_or(when)),
+                    prev["host"].as_str().unwrap_or("?")
+                );
+            }
+        }
+        writeln!(file, "{v}")?;
+    }
+    Ok(())
+}
+
 /// Run the whole sweep on this rank; rank 0 prints. Returns the number of wrong elements.
-pub fn run(comm: &Communicator, o: &BenchOpts, json: bool) -> Result<i64> {
+pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<i64> {
+    use std::io::IsTerminal;
     let me = comm.rank();
+    let json = out.json;
     if me == 0 && !json {
+        let iters = if o.target_secs > 0.0 {
+            format!("~{} s per repeat", o.target_secs)
+        } else {
+            o.iters.to_string()
+        };
         println!(
-            "# hcomm bench {}: {} ranks, dtype {}, op {}, root {}, warm-up {}, iters {}, check {}",
+            "# hcomm bench {}: {} ranks, dtype {}, op {}, root {}, warm-up {}, iters {iters}, repeats {}, check {}",
             o.op.name(),
             comm.world_size(),
             o.dtype,
             o.redop,
             o.root,
             o.warmup,
-            o.iters,
+            o.reps.max(1),
             o.check
         );
         println!("{}", header());
     }
-    let mut wrong = 0;
-    let mut busbw_sum = 0.0;
-    let mut rows = 0;
-    for bytes in sizes(o.min_bytes, o.max_bytes, o.factor) {
+    let all_sizes = sizes(o.min_bytes, o.max_bytes, o.factor);
+    let progress = me == 0 && std::io::stderr().is_terminal() && all_sizes.len() > 1;
+    let mut rows = Vec::new();
+    for (i, &bytes) in all_sizes.iter().enumerate() {
+        if progress {
+            eprint!(
+                "\r[bench] {}/{} sizes, now {bytes} B   ",
+                i + 1,
+                all_sizes.len()
+            );
+        }
         let row = run_size(comm, o, bytes)?;
-        wrong += row.wrong.max(0);
-        busbw_sum += row.busbw;
-        rows += 1;
         if me == 0 {
             if json {
                 println!("{}", serde_json::to_string(&row).expect("row serialises"));
             } else {
+                if progress {
+                    eprint!("\r\x1b[K");
+                }
                 println!("{}", format_row(&row));
             }
         }
+        rows.push(row);
     }
-    if me == 0 && !json {
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!(
-            "# Avg bus bandwidth    : {:.4}",
-            busbw_sum / rows.max(1) as f64
-        );
+    if progress {
+        eprint!("\r\x1b[K");
+    }
+    let wrong: i64 = rows.iter().map(|r| r.wrong.max(0)).sum();
+    if me == 0 {
+        if !json {
+            println!(
+                "# Out of bounds values : {wrong} {}",
+                if wrong == 0 { "OK" } else { "FAILED" }
+            );
+            println!(
+                "# Avg bus bandwidth    : {:.4}",
+                rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64
+            );
+        }
+        if let Some(path) = &out.plot {
+            let series = vec![crate::plot::Series {
+                label: format!(
+                    "hcomm {} {} ranks {} {}",
+                    o.op.name(),
+                    comm.world_size(),
+                    o.dtype,
+                    rows.first().map(|r| r.transport.as_str()).unwrap_or("")
+                ),
+                points: rows
+                    .iter()
+                    .map(|r| (r.bytes as f64, r.busbw, r.time_us))
+                    .collect(),
+            }];
+            match crate::plot::write(path, &format!("hcomm bench {}", o.op.name()), &series) {
+                Ok(()) => println!("# plot written to {}", path.display()),
+                Err(e) => crate::say!("hcomm bench: cannot write the plot: {e}"),
+            }
+        }
+        if let Some(path) = &out.results {
+            if let Err(e) = record_history(path, &rows) {
+                crate::say!("hcomm bench: cannot update {}: {e}", path.display());
+            }
+        }
     }
     Ok(wrong)
 }

@@ -57,17 +57,11 @@ pub fn run(comm: &Communicator, bytes: usize, iters: usize) -> Result<Vec<DemoRo
             }
         }
         let o = BenchOpts {
-            op: BenchOp::Coll(coll),
             min_bytes: bytes,
             max_bytes: bytes,
-            factor: 2,
             warmup: 2,
             iters,
-            check: true,
-            dtype: DType::F32,
-            redop: ReduceOp::Sum,
-            root: 0,
-            algo: Algo::Auto,
+            ..BenchOpts::new(BenchOp::Coll(coll))
         };
         let row = run_size(
             comm,
@@ -91,17 +85,11 @@ pub fn run(comm: &Communicator, bytes: usize, iters: usize) -> Result<Vec<DemoRo
     }
     if n >= 2 {
         let o = BenchOpts {
-            op: BenchOp::SendRecv,
             min_bytes: bytes,
             max_bytes: bytes,
-            factor: 2,
             warmup: 2,
             iters,
-            check: true,
-            dtype: DType::F32,
-            redop: ReduceOp::Sum,
-            root: 0,
-            algo: Algo::Auto,
+            ..BenchOpts::new(BenchOp::SendRecv)
         };
         let row = run_size(comm, &o, bytes)?;
         let correct = all_agree(comm, row.wrong == 0)?;

@@ -5,4 +5,5 @@ pub mod bench;
 pub mod check;
 pub mod demo;
 pub mod launch;
+pub mod plot;
 pub mod workers;

@@ -145,6 +145,18 @@ struct BenchArgs {
     /// One JSON object per row instead of the table.
     #[arg(long)]
     json: bool,
+    /// Pick the iterations per repeat so that a repeat takes about this many seconds.
+    #[arg(long, default_value_t = 0.0)]
+    target: f64,
+    /// Timed repeats per size (the median is reported).
+    #[arg(long, default_value_t = 1)]
+    reps: usize,
+    /// Write an SVG plot of busbw and time per call against size.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Append the rows to this JSON-lines file and compare with its last run of the same setup.
+    #[arg(long)]
+    results: Option<std::path::PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -321,6 +333,8 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             redop: a.redop.parse()?,
             root: a.root,
             algo: a.algo.parse::<Algo>()?,
+            target_secs: a.target,
+            reps: a.reps,
         })
     })();
     let o = match parsed {
@@ -349,7 +363,12 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    match bench::run(&comm, &o, a.json) {
+    let out = bench::Output {
+        json: a.json,
+        plot: a.plot,
+        results: a.results,
+    };
+    match bench::run(&comm, &o, &out) {
         Ok(0) => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(e) => {

@@ -99,7 +99,9 @@ impl Communicator {
                 }
                 Ok(())
             },
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== all-gather =====
@@ -198,7 +200,9 @@ impl Communicator {
                 }
                 Ok(())
             },
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== reduce-scatter =====
@@ -361,7 +365,9 @@ impl Communicator {
                 }
                 Ok(())
             },
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== broadcast / reduce =====
@@ -392,7 +398,9 @@ impl Communicator {
                     _ => tree::broadcast_tree(run, buf, root),
                 }
             },
-        )
+        )?;
+        self.inject_fault(buf);
+        Ok(())
     }
 
     /// Reduce `send` over all ranks into `recv` on `root` (`recv` is ignored elsewhere and may
@@ -493,7 +501,9 @@ impl Communicator {
                 }
                 Ok(())
             },
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== gather / scatter =====
@@ -568,7 +578,9 @@ impl Communicator {
             if uniform { sc } else { total },
             send.len(),
             |run, _| basic::gather_linear(run, send, recv, &segs, root),
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     /// Scatter: the root's `send` (length `world_size * recv.len()`) is split in rank order;
@@ -641,7 +653,9 @@ impl Communicator {
             if uniform { rc } else { total },
             recv.len(),
             |run, _| basic::scatter_linear(run, send, recv, &segs, root),
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== all-to-all =====
@@ -748,7 +762,9 @@ impl Communicator {
             fp_count,
             send.len(),
             |run, _| basic::all_to_all_pairwise(run, send, &ss, recv, &rs),
-        )
+        )?;
+        self.inject_fault(recv);
+        Ok(())
     }
 
     // ===== barrier =====

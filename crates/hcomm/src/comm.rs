@@ -227,6 +227,9 @@ pub struct Communicator {
     inner: Mutex<Inner>,
     /// Keeps rank 0's store alive as long as any communicator of the job on this rank is.
     _server: Option<Arc<StoreServer>>,
+    /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
+    /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
+    corrupt_results: bool,
 }
 
 fn hash64(s: &str) -> u64 {
@@ -417,6 +420,7 @@ impl Communicator {
                 p2p_ids: vec![0; size],
             }),
             _server: server,
+            corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
         })
     }
 
@@ -636,6 +640,14 @@ impl Communicator {
             body(&mut run, algo)
         };
         Self::finish(&mut inner, true, result)
+    }
+
+    /// Apply the `HCOMM_FAULT_INJECT` test hook to a collective's output.
+    pub(crate) fn inject_fault(&self, out: &mut [u8]) {
+        if self.corrupt_results && self.rank + 1 == self.size && !out.is_empty() {
+            let mid = out.len() / 2;
+            out[mid] ^= 0x10;
+        }
     }
 
     pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {

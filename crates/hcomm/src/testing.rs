@@ -99,33 +99,35 @@ pub fn input_value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: u64)
     }
 }
 
+/// Append `v` (a small integer) as one `dtype` element.
+fn push_value(dtype: DType, v: f64, out: &mut Vec<u8>) {
+    match dtype {
+        DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+        DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+        DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+        DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+        DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
+        DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
+        DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+        DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
+        DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
+        DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
+        DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
+    }
+}
+
 /// Encode f64 values (small integers) as `dtype` bytes.
 pub fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(vals.len() * dtype.size());
-    for &v in vals {
-        match dtype {
-            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
-            DType::I8 => out.extend_from_slice(&(v as i8).to_le_bytes()),
-            DType::I16 => out.extend_from_slice(&(v as i16).to_le_bytes()),
-            DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
-            DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
-            DType::U8 => out.extend_from_slice(&(v as u8).to_le_bytes()),
-            DType::U32 => out.extend_from_slice(&(v as u32).to_le_bytes()),
-            DType::U64 => out.extend_from_slice(&(v as u64).to_le_bytes()),
-        }
-    }
+    vals.iter().for_each(|&v| push_value(dtype, v, &mut out));
     out
 }
 
 /// Rank `rank`'s input of `count` elements.
 pub fn input(dtype: DType, op: ReduceOp, rank: usize, count: usize, seed: u64) -> Vec<u8> {
-    let vals: Vec<f64> = (0..count)
-        .map(|i| input_value(dtype, op, rank, i, seed))
-        .collect();
-    encode(dtype, &vals)
+    let mut out = Vec::with_capacity(count * dtype.size());
+    (0..count).for_each(|i| push_value(dtype, input_value(dtype, op, rank, i, seed), &mut out));
+    out
 }
 
 /// The reference reduction of element `i` over `n` ranks, computed in f64 (exact for the small

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# hcomm against the peer libraries of ../shared/bench (Open MPI, MPICH, oneCCL, torch gloo), in
+# one run, with the same sizes, loop and columns, and the ratios side by side.
+#
+#   PEERS="openmpi oneccl gloo" RANKS=2 TRANSPORT=tcp SIZES=8,1m,64m COLLS=allreduce scripts/compare-peers.sh
+#
+# Settings (environment): PEERS, RANKS, TRANSPORT (tcp), SIZES (8, 1k, 1m, 64m, ...),
+# COLLS (allreduce allgather reduce_scatter bcast barrier pingpong), REPS (timed repeats per
+# size, median reported), TARGET (seconds per repeat), BENCH_DIR (default ../shared/bench),
+# OUT_DIR (default results/). Run it while nothing else uses the cores.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+BENCH_DIR=${BENCH_DIR:-$here/../shared/bench}
+PEERS=${PEERS:-"openmpi oneccl gloo"}
+RANKS=${RANKS:-2}
+TRANSPORT=${TRANSPORT:-tcp}
+SIZES=${SIZES:-8,1m,64m}
+COLLS=${COLLS:-allreduce}
+REPS=${REPS:-5}
+TARGET=${TARGET:-0.05}
+OUT_DIR=${OUT_DIR:-$here/results}
+mkdir -p "$OUT_DIR"
+stamp=$(date -u +%Y%m%dT%H%M%SZ)
+
+(cd "$here" && cargo build --release -q -p hcomm-cli)
+hcomm="$here/target/release/hcomm"
+
+echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS)" >&2
+BENCH_BUILD="$OUT_DIR/peer-build" BENCH_RESULTS="$OUT_DIR" PEERS="$PEERS" RANKS="$RANKS" \
+    TRANSPORTS="$TRANSPORT" SIZES="$SIZES" COLLS="${COLLS// /,}" REPS="$REPS" TARGET="$TARGET" RUNS=1 \
+    "$BENCH_DIR/peers.sh" > "$OUT_DIR/peers-$stamp.txt"
+
+# hcomm runs in a private loopback-only network namespace too, as peers.sh runs the peers.
+runner=()
+ns="hcommcmp$$"
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null && ip netns add "$ns" 2>/dev/null; then
+    trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
+    ip -n "$ns" link set lo up
+    runner=(ip netns exec "$ns")
+fi
+
+to_bytes() {
+    local s=${1,,}
+    case "$s" in
+        *k) echo $(( ${s%k} * 1024 )) ;;
+        *m) echo $(( ${s%m} * 1024 * 1024 )) ;;
+        *g) echo $(( ${s%g} * 1024 * 1024 * 1024 )) ;;
+        *) echo "$s" ;;
+    esac
+}
+hcomm_op() {
+    case "$1" in
+        allreduce) echo allreduce ;; allgather) echo allgather ;; reduce_scatter) echo reducescatter ;;
+        bcast) echo broadcast ;; barrier) echo barrier ;; pingpong) echo sendrecv ;; *) echo "$1" ;;
+    esac
+}
+json="$OUT_DIR/hcomm-$stamp.jsonl"
+: > "$json"
+echo "[compare] hcomm" >&2
+for coll in ${COLLS//,/ }; do
+    for size in ${SIZES//,/ }; do
+        b=$(to_bytes "$size")
+        [ "$coll" = barrier ] && b=0
+        "${runner[@]}" "$hcomm" bench "$(hcomm_op "$coll")" -np "$RANKS" -b "$b" -e "$b" -w 5 \
+            --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
+    done
+done
+
+python3 - "$OUT_DIR/peers-$stamp.txt" "$json" <<'PY'
+import json, sys
+peers = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) == 10 and f[0] != "peer":
+        peer, coll, ranks, tr, nbytes, runs, t, tmin, algbw, busbw = f
+        peers[(peer, coll, int(nbytes))] = (float(t), float(tmin), float(busbw))
+rows = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+names = sorted({p for (p, _, _) in peers})
+print(f"{'coll':<15}{'bytes':>10}  {'hcomm us':>10} {'busbw':>7}  " + "  ".join(f"{n + ' us':>13} {'busbw':>6} {'x':>5}" for n in names))
+for r in rows:
+    coll, nb = r["coll"], r["bytes"]
+    cells = []
+    for n in names:
+        # peers.sh reports the block-rounded size; match the nearest entry.
+        cand = [k for k in peers if k[0] == n and k[1] == coll]
+        k = min(cand, key=lambda k: abs(k[2] - nb), default=None)
+        if k is None:
+            cells.append(f"{'-':>13} {'-':>6} {'-':>5}")
+            continue
+        t, _, bw = peers[k]
+        ratio = t / r["time_us"] if r["time_us"] > 0 else 0
+        cells.append(f"{t:>13.2f} {bw:>6.2f} {ratio:>5.2f}")
+    wrong = "" if r["wrong"] == 0 else f"  WRONG={r['wrong']}"
+    print(f"{coll:<15}{nb:>10}  {r['time_us']:>10.2f} {r['busbw']:>7.2f}  " + "  ".join(cells) + wrong)
+print("x = peer time / hcomm time (above 1: hcomm is faster); times are medians of repeats, max over ranks")
+PY
