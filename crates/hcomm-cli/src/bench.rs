@@ -613,3 +613,43 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<i64> {
     }
     Ok(wrong)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busbw_factors_are_the_nccl_tests_ones() {
+        let f = |op: &str, n| BenchOp::parse(op).unwrap().busbw_factor(n);
+        assert_eq!(f("allreduce", 4), 1.5);
+        assert_eq!(f("allreduce", 2), 1.0);
+        assert_eq!(f("allgather", 4), 0.75);
+        assert_eq!(f("reducescatter", 8), 0.875);
+        assert_eq!(f("alltoall", 2), 0.5);
+        assert_eq!(f("broadcast", 4), 1.0);
+        assert_eq!(f("reduce", 3), 1.0);
+        assert_eq!(f("sendrecv", 2), 1.0);
+        assert_eq!(f("barrier", 4), 0.0);
+    }
+
+    #[test]
+    fn sizes_step_and_stop_at_the_maximum() {
+        assert_eq!(sizes(8, 1024, 4), vec![8, 32, 128, 512, 1024]);
+        assert_eq!(sizes(1, 1, 2), vec![1]);
+        assert_eq!(sizes(8, 64, 1), vec![8]);
+    }
+
+    #[test]
+    fn op_names_parse_both_spellings() {
+        for (s, want) in [
+            ("allreduce", "allreduce"),
+            ("all_reduce", "allreduce"),
+            ("bcast", "broadcast"),
+            ("pingpong", "sendrecv"),
+            ("reduce-scatter", "reducescatter"),
+        ] {
+            assert_eq!(BenchOp::parse(s).map(|o| o.name()), Some(want), "{s}");
+        }
+        assert!(BenchOp::parse("allreduc").is_none());
+    }
+}

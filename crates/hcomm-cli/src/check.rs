@@ -19,6 +19,8 @@ pub struct CheckOpts {
     pub seed: u64,
     /// Print every case.
     pub verbose: bool,
+    /// Only these algorithms (empty: every algorithm of each collective).
+    pub algos: Vec<Algo>,
 }
 
 impl CheckOpts {
@@ -32,6 +34,7 @@ impl CheckOpts {
             counts: vec![0, 1, 7, 1031, 262_147],
             seed: 1,
             verbose: false,
+            algos: Vec::new(),
         }
     }
 
@@ -83,7 +86,11 @@ pub fn cases(o: &CheckOpts, n: usize) -> Vec<Case> {
         } else {
             &o.dtypes
         };
-        for &algo in coll.algorithms() {
+        for &algo in coll
+            .algorithms()
+            .iter()
+            .filter(|a| o.algos.is_empty() || o.algos.contains(a))
+        {
             for &dtype in dtypes {
                 let ops: &[ReduceOp] = if reduces(coll) {
                     &o.ops
@@ -134,7 +141,15 @@ pub fn run(comm: &Communicator, o: &CheckOpts) -> Result<(usize, usize)> {
         comm.all_reduce_in_place(&mut bad, ReduceOp::Sum)?;
         if let Some(msg) = diff {
             crate::say!("FAIL rank {me} of {n}: {case}: {msg}");
-            crate::say!("     reproduce: hcomm check -np {n} --colls {} --dtypes {} --ops {} --counts {} --seed {}", case.coll.name(), case.dtype, case.op, case.count, case.seed);
+            crate::say!(
+                "     reproduce: hcomm check -np {n} --colls {} --algos {} --dtypes {} --ops {} --counts {} --seed {}",
+                case.coll.name(),
+                case.algo,
+                case.dtype,
+                case.op,
+                case.count,
+                case.seed
+            );
         }
         if bad[0] > 0 {
             failed_cases += 1;

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod check;
 pub mod demo;
+pub mod doctor;
 pub mod launch;
 pub mod plot;
 pub mod workers;

@@ -31,6 +31,24 @@ enum Cmd {
     Check(CheckArgs),
     /// Benchmark an operation in the nccl-tests format.
     Bench(BenchArgs),
+    /// Diagnose configuration and connectivity (config, master port, interfaces, /dev/shm, fd limit, all-pairs latency/bandwidth).
+    Doctor(DoctorArgs),
+}
+
+#[derive(Args)]
+struct DoctorArgs {
+    /// Start this many local ranks and test the connections between them.
+    #[arg(long = "np")]
+    np: Option<usize>,
+    /// Validate this rank table (hcom_config.json).
+    #[arg(long)]
+    rank_table: Option<std::path::PathBuf>,
+    /// With --rank-table: check the configuration of this rank.
+    #[arg(long)]
+    rank: Option<usize>,
+    /// Check this master address HOST:PORT as rank 0 would (is the port free?).
+    #[arg(long)]
+    master: Option<String>,
 }
 
 #[derive(Args)]
@@ -97,6 +115,9 @@ struct CheckArgs {
     /// Input seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Comma-separated algorithms (default: every algorithm of each collective).
+    #[arg(long, value_delimiter = ',')]
+    algos: Vec<String>,
     /// Print every case.
     #[arg(short, long)]
     verbose: bool,
@@ -280,6 +301,9 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
         if !a.counts.is_empty() {
             o.counts = a.counts.clone();
         }
+        if !a.algos.is_empty() {
+            o.algos = parse_list(&a.algos, |s| s.parse::<Algo>())?;
+        }
         Ok(())
     })();
     if let Err(e) = parsed {
@@ -378,6 +402,110 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
     }
 }
 
+fn cmd_doctor(a: DoctorArgs) -> ExitCode {
+    use hcomm_cli::doctor::{self, Level, Report};
+    if let (Some(np), false) = (a.np, in_job()) {
+        return exit(spawn_self(np, args_without(&["--np", "-np"])));
+    }
+    let mut report = Report::default();
+    let verdict = |report: &Report| match report.worst() {
+        Level::Fail => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    };
+    if let Some(path) = &a.rank_table {
+        let table = doctor::rank_table_check(path, &mut report);
+        if let (Some(t), Some(r)) = (table, a.rank) {
+            match t.bootstrap_for(r) {
+                Ok(cfg) => doctor::local_checks(Some(&cfg), &mut report),
+                Err(e) => report.add_finding(Level::Fail, "rank table", e.to_string()),
+            }
+        }
+        report.print("");
+        return verdict(&report);
+    }
+    if let Some(m) = &a.master {
+        let Some((host, port)) = m
+            .rsplit_once(':')
+            .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h.to_string(), p)))
+        else {
+            hcomm_cli::say!("hcomm doctor: --master must be HOST:PORT, got '{m}'");
+            return ExitCode::from(2);
+        };
+        let cfg = hcomm::testing::local_config(0, 1, port, Duration::from_secs(30));
+        let cfg = hcomm::BootstrapConfig {
+            master_addr: host,
+            ..cfg
+        };
+        doctor::local_checks(Some(&cfg), &mut report);
+        report.print("");
+        return verdict(&report);
+    }
+    if !in_job() {
+        doctor::local_checks(None, &mut report);
+        report.add_finding(Level::Ok, "job", "not started as a rank: run `hcomm doctor -np 2` (or under hcomm run / mpirun / srun) to test connectivity".into());
+        report.print("");
+        return verdict(&report);
+    }
+    let cfg = match hcomm::BootstrapConfig::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            report.add_finding(Level::Fail, "config", e.to_string());
+            report.print("");
+            return verdict(&report);
+        }
+    };
+    doctor::local_checks(Some(&cfg), &mut report);
+    let rank = cfg.rank;
+    let prefix = format!("rank {rank}: ");
+    if report.worst() == Level::Fail {
+        report.print(&prefix);
+        return verdict(&report);
+    }
+    let cfg = hcomm::BootstrapConfig {
+        timeout: cfg.timeout.min(Duration::from_secs(60)),
+        ..cfg
+    };
+    let comm = match Communicator::from_config(&cfg) {
+        Ok(c) => c,
+        Err(e) => {
+            report.add_finding(Level::Fail, "bootstrap", e.to_string());
+            report.print(&prefix);
+            return verdict(&report);
+        }
+    };
+    report.add_finding(
+        Level::Ok,
+        "bootstrap",
+        format!(
+            "joined: rank {} of {}, local rank {} of {} on this host",
+            comm.rank(),
+            comm.world_size(),
+            comm.local_rank(),
+            comm.local_world_size()
+        ),
+    );
+    // Rank 0 prints everything it found; other ranks print only their problems.
+    if rank == 0 {
+        report.print("rank 0: ");
+    } else if report.worst() != Level::Ok {
+        report.print(&prefix);
+    }
+    match doctor::pair_matrix(&comm) {
+        Ok((lat, bw)) => {
+            if rank == 0 {
+                let findings = doctor::print_matrix(comm.world_size(), &lat, &bw, comm.host_ids());
+                let r = Report { findings };
+                r.print("");
+            }
+            verdict(&report)
+        }
+        Err(e) => {
+            hcomm_cli::say!("rank {rank}: [FAIL] pairs            {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // Accept MPI/nccl-tests style `-np N` as `--np N`.
     let args: Vec<OsString> = std::env::args_os()
@@ -395,5 +523,6 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => cmd_demo(a),
         Cmd::Check(a) => cmd_check(a),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Doctor(a) => cmd_doctor(a),
     }
 }

@@ -202,3 +202,239 @@ fn bad_input_is_rejected_with_a_message() {
     assert_eq!(code, Some(2));
     assert!(err.contains("unknown operation"), "{err}");
 }
+
+fn hcomm_env(
+    args: &[&str],
+    env: &[(&str, String)],
+    limit: Duration,
+) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hcomm"));
+    cmd.args(args).stdin(Stdio::null());
+    for v in [
+        "HCOMM_RANK",
+        "HCOMM_WORLD_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "HCOMM_MASTER_PORT",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(v);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        start.elapsed() < limit,
+        "hcomm {args:?} took {:?}",
+        start.elapsed()
+    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_catches_an_injected_wrong_result() {
+    let (code, out, err) = hcomm_env(
+        &[
+            "check",
+            "-np",
+            "2",
+            "--colls",
+            "allreduce,allgather,broadcast",
+            "--dtypes",
+            "f32",
+            "--counts",
+            "1,1031",
+        ],
+        &[("HCOMM_FAULT_INJECT", "corrupt-one".into())],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("FAIL rank 1 of 2")
+            && err.contains("wrong element")
+            && err.contains("reproduce: hcomm check"),
+        "{err}"
+    );
+    // The same sweep without the fault passes.
+    let (code, out, err) = hcomm_env(
+        &[
+            "check",
+            "-np",
+            "2",
+            "--colls",
+            "allreduce,allgather,broadcast",
+            "--dtypes",
+            "f32",
+            "--counts",
+            "1,1031",
+        ],
+        &[],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+}
+
+#[test]
+fn bench_check_counts_wrong_elements_under_fault_injection() {
+    let (code, out, _) = hcomm_env(
+        &[
+            "bench",
+            "allreduce",
+            "-np",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+            "-n",
+            "2",
+        ],
+        &[("HCOMM_FAULT_INJECT", "corrupt-one".into())],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("FAILED"), "{out}");
+}
+
+#[test]
+fn bench_writes_a_valid_svg_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("ar.svg");
+    let hist = dir.path().join("hist.jsonl");
+    let p = plot.to_str().unwrap();
+    let h = hist.to_str().unwrap();
+    for _ in 0..2 {
+        let (code, out, err) = hcomm(
+            &[
+                "bench",
+                "allgather",
+                "-np",
+                "2",
+                "-b",
+                "64",
+                "-e",
+                "64K",
+                "-f",
+                "16",
+                "-n",
+                "3",
+                "--plot",
+                p,
+                "--results",
+                h,
+            ],
+            Duration::from_secs(60),
+        );
+        assert_eq!(code, Some(0), "{out}\n{err}");
+    }
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(
+        svg.starts_with("<?xml") && svg.trim_end().ends_with("</svg>") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    // The history has both runs; the second run compared itself with the first.
+    assert_eq!(std::fs::read_to_string(&hist).unwrap().lines().count(), 8);
+    let (_, out, _) = hcomm(
+        &[
+            "bench",
+            "allgather",
+            "-np",
+            "2",
+            "-b",
+            "64",
+            "-e",
+            "64",
+            "-n",
+            "3",
+            "--results",
+            h,
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(out.contains("last time"), "{out}");
+}
+
+#[test]
+fn doctor_reports_a_busy_port_with_its_owner() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (code, out, err) = hcomm(
+        &["doctor", "--master", &format!("127.0.0.1:{port}")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains(&format!(
+            "port {port} is in use by pid {}",
+            std::process::id()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn doctor_reports_a_bad_rank_table_by_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hcom_config.json");
+    std::fs::write(
+        &path,
+        r#"{"version": "1.0", "world_size": 2, "master": {"addr": "127.0.0.1", "port": 29500},
+            "ranks": [{"rank": 0, "host": "127.0.0.1", "local_rank": 0}, {"rank": 0, "host": "127.0.0.1", "local_rank": 1}]}"#,
+    )
+    .unwrap();
+    let (code, out, err) = hcomm(
+        &["doctor", "--rank-table", path.to_str().unwrap()],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("ranks[1].rank") && err.contains("duplicate rank 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn doctor_reports_an_unreachable_master() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = [
+        ("HCOMM_RANK", "1".to_string()),
+        ("HCOMM_WORLD_SIZE", "2".to_string()),
+        ("HCOMM_MASTER_ADDR", "127.0.0.1".to_string()),
+        ("HCOMM_MASTER_PORT", port.to_string()),
+    ];
+    let (code, out, err) = hcomm_env(&["doctor"], &env, Duration::from_secs(30));
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains(&format!("rank 1 cannot reach 127.0.0.1:{port}")),
+        "{err}"
+    );
+}
+
+#[test]
+fn doctor_measures_every_pair() {
+    let (code, out, err) = hcomm(&["doctor", "-np", "3"], Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("latency, 8 B one way") && out.contains("bandwidth, 4 MiB"),
+        "{out}"
+    );
+    assert!(
+        err.contains("bootstrap") && err.contains("fd limit") && err.contains("/dev/shm"),
+        "{err}"
+    );
+}
