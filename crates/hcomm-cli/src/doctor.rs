@@ -215,6 +215,8 @@ fn shm_check(report: &mut Report) {
     let dir = Path::new("/dev/shm");
     match nix::sys::statvfs::statvfs(dir) {
         Ok(st) => {
+            // The field types differ between platforms (u32 on some 32-bit ones).
+            #[allow(clippy::unnecessary_cast)]
             let free = st.blocks_available() as u64 * st.fragment_size() as u64;
             let probe = dir.join(format!("hcomm-doctor-{}", std::process::id()));
             let writable = std::fs::write(&probe, b"x").is_ok();
