@@ -5,7 +5,7 @@
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
 use crate::algo::{basic, count_segments, even_segments, ring, tree, Algo};
-use crate::comm::{Collective, Communicator};
+use crate::comm::{describe_shm_word, Collective, Communicator};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::finalize_mean;
@@ -79,6 +79,10 @@ impl Communicator {
             count,
             recv.len(),
             |run, algo| {
+                if algo == Algo::Shm {
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_reduce(send, recv, dtype, op, None, fp, &w, &describe_shm_word);
+                }
                 if let Some(s) = send {
                     recv.copy_from_slice(s);
                 }
@@ -191,7 +195,12 @@ impl Communicator {
             None,
             fp_count,
             recv.len(),
-            |run, _| {
+            |run, algo| {
+                if algo == Algo::Shm {
+                    let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_gather(send, recv, &blocks, None, fp, &w, &describe_shm_word);
+                }
                 if let Some(s) = send {
                     recv[segs[me].clone()].copy_from_slice(s);
                 }
@@ -326,7 +335,21 @@ impl Communicator {
             None,
             fp_count,
             nbytes,
-            |run, _| {
+            |run, algo| {
+                if algo == Algo::Shm {
+                    let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    let (g, w, fp) = run.shm_parts();
+                    return g.reduce_scatter(
+                        send,
+                        recv,
+                        &blocks,
+                        dtype,
+                        op,
+                        fp,
+                        &w,
+                        &describe_shm_word,
+                    );
+                }
                 let my_seg = segs[me].clone();
                 match send {
                     Some(s) => {
@@ -394,6 +417,10 @@ impl Communicator {
                     return Ok(());
                 }
                 match algo {
+                    Algo::Shm => {
+                        let (g, w, fp) = run.shm_parts();
+                        g.broadcast(buf, root, fp, &w, &describe_shm_word)
+                    }
                     Algo::Chain => tree::broadcast_chain(run, buf, root),
                     _ => tree::broadcast_tree(run, buf, root),
                 }
@@ -464,6 +491,19 @@ impl Communicator {
             input_len,
             |run, algo| {
                 match algo {
+                    Algo::Shm => {
+                        let (g, w, fp) = run.shm_parts();
+                        return g.all_reduce(
+                            send,
+                            recv,
+                            dtype,
+                            op,
+                            Some(root),
+                            fp,
+                            &w,
+                            &describe_shm_word,
+                        );
+                    }
                     Algo::Chain => {
                         // The chain never writes its input; in place on a non-root the output is unused.
                         let input: Vec<u8>;
@@ -577,7 +617,22 @@ impl Communicator {
             Some(root),
             if uniform { sc } else { total },
             send.len(),
-            |run, _| basic::gather_linear(run, send, recv, &segs, root),
+            |run, algo| {
+                if algo == Algo::Shm {
+                    let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_gather(
+                        Some(send),
+                        recv,
+                        &blocks,
+                        Some(root),
+                        fp,
+                        &w,
+                        &describe_shm_word,
+                    );
+                }
+                basic::gather_linear(run, send, recv, &segs, root)
+            },
         )?;
         self.inject_fault(recv);
         Ok(())
@@ -772,12 +827,21 @@ impl Communicator {
     /// Block until every rank has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         let n = self.world_size();
-        self.collective(Collective::Barrier, None, None, None, 0, 0, |run, _| {
-            if n > 1 {
-                basic::barrier_dissemination(run)
-            } else {
-                Ok(())
-            }
-        })
+        self.collective(
+            Collective::Barrier,
+            None,
+            None,
+            None,
+            0,
+            0,
+            |run, algo| match algo {
+                Algo::Shm => {
+                    let (g, w, fp) = run.shm_parts();
+                    g.barrier(fp, &w, &describe_shm_word)
+                }
+                _ if n > 1 => basic::barrier_dissemination(run),
+                _ => Ok(()),
+            },
+        )
     }
 }

@@ -4,7 +4,7 @@
 use crate::algo::{Algo, Run};
 use crate::bootstrap::store::{StoreClient, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
-use crate::config::{BootstrapConfig, LaunchSource};
+use crate::config::{BootstrapConfig, LaunchSource, TransportKind};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::transport::frame::{Header, Kind};
@@ -89,12 +89,13 @@ impl Collective {
     /// The algorithms this collective can run with (first = default family).
     pub fn algorithms(self) -> &'static [Algo] {
         match self {
-            Collective::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling],
-            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring],
-            Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain],
-            Collective::Gather | Collective::Scatter => &[Algo::Linear],
+            Collective::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::Shm],
+            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Shm],
+            Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm],
+            Collective::Gather => &[Algo::Linear, Algo::Shm],
+            Collective::Scatter => &[Algo::Linear],
             Collective::AllToAll => &[Algo::Pairwise],
-            Collective::Barrier => &[Algo::Dissemination],
+            Collective::Barrier => &[Algo::Dissemination, Algo::Shm],
         }
     }
 }
@@ -124,6 +125,24 @@ pub(crate) fn describe_frame(h: &Header) -> String {
         Kind::P2p => format!("send(tag={}, {} bytes)", h.tag, h.count),
         k => format!("{k:?}(tag={})", h.tag),
     }
+}
+
+/// Describe a shared-memory fingerprint word (see `Run::shm_parts`).
+pub(crate) fn describe_shm_word(word: u64) -> String {
+    let root = ((word >> 24) & 0xffff) as u32;
+    describe_frame(&Header {
+        kind: Kind::Collective,
+        dtype: (word >> 8) as u8,
+        coll: word as u8,
+        redop: (word >> 16) as u8,
+        algo: Algo::Shm.code(),
+        root: if root == 0xffff { u32::MAX } else { root },
+        tag: 0,
+        seq: 0,
+        count: word >> 40,
+        len: 0,
+    })
+    .replace(" at seq 0", "")
 }
 
 /// Size thresholds of the algorithm selector (bytes per rank).
@@ -204,6 +223,8 @@ struct Inner {
     open_conns: HashSet<(usize, u32)>,
     /// Id of the last point-to-point message sent to each peer.
     p2p_ids: Vec<u64>,
+    /// Shared memory, when every rank of this communicator shares this host.
+    shm: Option<crate::shm::ShmGroup>,
 }
 
 /// A group of ranks that run collectives together.
@@ -227,6 +248,10 @@ pub struct Communicator {
     inner: Mutex<Inner>,
     /// Keeps rank 0's store alive as long as any communicator of the job on this rank is.
     _server: Option<Arc<StoreServer>>,
+    /// Transport setting (inherited by sub-communicators).
+    transport: TransportKind,
+    /// Bytes of shared memory this communicator maps (0 without shared memory).
+    shm_bytes: usize,
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
@@ -337,6 +362,7 @@ impl Communicator {
             timeout: cfg.timeout,
             local_size_hint: cfg.local_world_size,
             algo,
+            transport: cfg.transport,
         })?;
         tracing::info!(
             rank = comm.rank,
@@ -364,6 +390,7 @@ impl Communicator {
             timeout,
             local_size_hint,
             algo,
+            transport,
         } = a;
         let listener = TcpLinks::listen(ip)
             .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?;
@@ -394,6 +421,26 @@ impl Communicator {
         );
         let aborted = Arc::new(AtomicBool::new(false));
         links.set_abort_flag(aborted.clone());
+        let shm = if transport != TransportKind::Tcp && size > 1 && local.len() == size {
+            setup_shm(
+                &mut store,
+                &comm_id,
+                rank,
+                size,
+                policy,
+                aborted.clone(),
+                timeout,
+            )?
+        } else {
+            if transport == TransportKind::Shm && size > 1 {
+                return Err(Error::Config(format!(
+                    "HCOMM_TRANSPORT=shm, but the {size} ranks of '{comm_id}' are on {} hosts",
+                    hosts.iter().collect::<HashSet<_>>().len()
+                )));
+            }
+            None
+        };
+        let shm_bytes = shm.as_ref().map_or(0, |s| s.footprint());
         drop(store);
         Ok(Communicator {
             rank,
@@ -418,8 +465,11 @@ impl Communicator {
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
                 p2p_ids: vec![0; size],
+                shm,
             }),
             _server: server,
+            transport,
+            shm_bytes,
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
         })
     }
@@ -469,8 +519,25 @@ impl Communicator {
         *self.timeout.lock().unwrap() = d;
     }
 
+    /// True when this communicator's ranks share a host and use shared memory.
+    pub fn has_shared_memory(&self) -> bool {
+        self.shm_bytes > 0
+    }
+
+    /// Bytes of shared memory this communicator maps on this host (0 without).
+    pub fn shared_memory_bytes(&self) -> usize {
+        self.shm_bytes
+    }
+
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice).
     pub fn set_algorithm(&self, coll: Collective, algo: Algo) -> Result<()> {
+        if algo == Algo::Shm && self.shm_bytes == 0 {
+            return Err(Error::invalid(
+                "set_algorithm",
+                0,
+                "no shared memory on this communicator (ranks on several hosts, HCOMM_TRANSPORT=tcp, or /dev/shm unusable)",
+            ));
+        }
         if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
             return Err(Error::invalid(
                 "set_algorithm",
@@ -525,8 +592,11 @@ impl Communicator {
     }
 
     fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {
-        if forced != Algo::Auto {
+        if forced != Algo::Auto && (forced != Algo::Shm || self.shm_bytes > 0) {
             return forced;
+        }
+        if self.shm_bytes > 0 && coll.algorithms().contains(&Algo::Shm) {
+            return Algo::Shm;
         }
         match coll {
             Collective::AllReduce if bytes <= self.thresholds.allreduce_rd_max => {
@@ -629,6 +699,7 @@ impl Communicator {
         inner.links.set_op_timeout(timeout);
         let deadline = Instant::now() + timeout;
         let result = {
+            let inner = &mut *inner;
             let mut run = Run {
                 links: &mut inner.links,
                 rank: self.rank,
@@ -636,6 +707,8 @@ impl Communicator {
                 ctx,
                 fp,
                 deadline,
+                timeout,
+                shm: inner.shm.as_mut(),
             };
             body(&mut run, algo)
         };
@@ -922,6 +995,7 @@ impl Communicator {
             timeout,
             local_size_hint: None,
             algo,
+            transport: self.transport,
         })?;
         c.thresholds = self.thresholds;
         let _ = self.policy;
@@ -1082,6 +1156,129 @@ fn p2p_protocol(
     Ok(())
 }
 
+/// Create (rank 0) or attach (others) the communicator's shared-memory segment, agree through
+/// the store that every rank has it, then unlink its name: nothing is left in /dev/shm even if
+/// a rank crashes later. Any failure means TCP for everyone (unless `HCOMM_TRANSPORT=shm`).
+fn setup_shm(
+    store: &mut StoreClient,
+    comm_id: &str,
+    rank: usize,
+    size: usize,
+    policy: WaitPolicy,
+    abort: Arc<AtomicBool>,
+    timeout: Duration,
+) -> Result<Option<crate::shm::ShmGroup>> {
+    use crate::shm::{chunk_from_env, Layout, ShmGroup};
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let serr =
+        |e: crate::bootstrap::store::StoreError| Error::Config(format!("shared memory setup: {e}"));
+    let key = format!("{comm_id}/shm");
+    let votes = format!("{comm_id}/shm/attached");
+    let verdict_key = format!("{comm_id}/shm/ok");
+    let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
+    let group = if rank == 0 {
+        let layout = Layout {
+            size,
+            chunk: chunk_from_env(),
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!(
+            "/hcomm-{:x}-{}-{nanos:x}",
+            hash64(comm_id) & 0xffff_ffff,
+            std::process::id()
+        );
+        match ShmGroup::create(&name, layout, 0, policy, abort) {
+            Ok(g) => {
+                store
+                    .set(&key, format!("{name} {}", layout.chunk).as_bytes())
+                    .map_err(serr)?;
+                // Wait for every rank's vote (1 = attached, 1000 = failed), then unlink the
+                // name whatever the votes say.
+                let ok = loop {
+                    let v = store.add(&votes, 0).map_err(serr)?;
+                    if v % 1000 + v / 1000 >= size as i64 - 1 {
+                        break v / 1000 == 0;
+                    }
+                    if left().is_zero() {
+                        break false;
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                };
+                let _ = g.unlink();
+                store
+                    .set(&verdict_key, if ok { b"1" } else { b"0" })
+                    .map_err(serr)?;
+                ok.then_some(g)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot create shared memory {name} ({} bytes): {e}; using TCP within the host",
+                    layout.bytes()
+                );
+                store
+                    .set(&key, format!("none {e}").as_bytes())
+                    .map_err(serr)?;
+                store.set(&verdict_key, b"0").map_err(serr)?;
+                if strict {
+                    return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory: {e} (check /dev/shm with `hcomm doctor`)")));
+                }
+                None
+            }
+        }
+    } else {
+        let v = store.get(&key, left()).map_err(serr)?;
+        let v = String::from_utf8_lossy(&v).into_owned();
+        let mut it = v.splitn(2, ' ');
+        let name = it.next().unwrap_or("");
+        let rest = it.next().unwrap_or("");
+        let attached = if name == "none" {
+            None
+        } else {
+            let chunk: usize = rest
+                .trim()
+                .parse()
+                .map_err(|_| Error::Config(format!("bad shared memory record '{v}'")))?;
+            match ShmGroup::attach(name, Layout { size, chunk }, rank, policy, abort) {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot attach shared memory {name}: {e}; using TCP within the host"
+                    );
+                    None
+                }
+            }
+        };
+        if name != "none" {
+            store
+                .add(&votes, if attached.is_some() { 1 } else { 1000 })
+                .map_err(serr)?;
+        }
+        let verdict = store.get(&verdict_key, left()).map_err(serr)?;
+        if verdict == b"1" {
+            attached
+        } else {
+            if strict {
+                return Err(Error::Config(
+                    "HCOMM_TRANSPORT=shm: a rank could not map the shared memory".into(),
+                ));
+            }
+            None
+        }
+    };
+    if let Some(g) = &group {
+        tracing::info!(
+            rank,
+            "shared memory ready: {} bytes for {size} ranks",
+            g.footprint()
+        );
+    }
+    Ok(group)
+}
+
 struct BuildArgs {
     comm_id: String,
     rank: usize,
@@ -1094,6 +1291,7 @@ struct BuildArgs {
     timeout: Duration,
     local_size_hint: Option<usize>,
     algo: HashMap<Collective, Algo>,
+    transport: TransportKind,
 }
 
 /// A connection to one peer under one tag (connection-oriented point-to-point, as HCCL's

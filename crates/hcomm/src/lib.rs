@@ -22,6 +22,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod reduce;
+pub mod shm;
 pub mod testing;
 pub mod transport;
 

@@ -25,7 +25,7 @@ pub fn local_config(rank: usize, size: usize, port: u16, timeout: Duration) -> B
         master_addr: "127.0.0.1".into(),
         master_port: port,
         timeout,
-        transport: TransportKind::Tcp,
+        transport: TransportKind::Auto,
         socket_ifname: None,
         listen_host: None,
         token_file: None,

@@ -364,11 +364,11 @@ fn an_eager_nack_does_not_break_later_collectives() {
         for _ in 0..3 {
             c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
         }
-        // The sender hears of the mismatch at its next point-to-point call with that peer.
+        // The sender hears of the mismatch at its next receive from that peer.
         let next = if c.rank() == 0 {
-            c.send(1, 1, &[1u8])
+            c.recv(1, 1, &mut [0u8; 1])
         } else {
-            c.recv(0, 1, &mut [0u8; 1])
+            c.send(0, 1, &[1u8])
         };
         Ok((v[0], next.err().map(|e| e.to_string())))
     });

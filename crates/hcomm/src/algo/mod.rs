@@ -39,6 +39,8 @@ pub enum Algo {
     Pairwise,
     /// Dissemination (barrier).
     Dissemination,
+    /// Shared memory: every rank works directly on a segment mapped by all ranks of the host.
+    Shm,
 }
 
 impl Algo {
@@ -53,6 +55,7 @@ impl Algo {
             Algo::Linear => 5,
             Algo::Pairwise => 6,
             Algo::Dissemination => 7,
+            Algo::Shm => 8,
         }
     }
 
@@ -83,6 +86,7 @@ impl Algo {
             Algo::Linear => "linear",
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
+            Algo::Shm => "shm",
         }
     }
 }
@@ -105,9 +109,10 @@ impl FromStr for Algo {
             "linear" | "direct" => Algo::Linear,
             "pairwise" => Algo::Pairwise,
             "dissemination" => Algo::Dissemination,
+            "shm" | "shared_memory" => Algo::Shm,
             other => {
                 return Err(format!(
-                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination)"
+                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm)"
                 ))
             }
         })
@@ -129,6 +134,36 @@ pub struct Run<'a> {
     pub fp: Header,
     /// When to give up.
     pub deadline: Instant,
+    /// The operation's timeout (for messages).
+    pub timeout: std::time::Duration,
+    /// The shared-memory group, when every rank shares this host.
+    pub shm: Option<&'a mut crate::shm::ShmGroup>,
+}
+
+impl Run<'_> {
+    /// The shared-memory group and the waiting context for its calls.
+    pub fn shm_parts(
+        &mut self,
+    ) -> (
+        &mut crate::shm::ShmGroup,
+        crate::shm::WaitCtx<'_>,
+        crate::shm::Fingerprint,
+    ) {
+        let fp = crate::shm::Fingerprint {
+            seq: self.fp.seq,
+            word: (self.fp.coll as u64)
+                | (self.fp.dtype as u64) << 8
+                | (self.fp.redop as u64) << 16
+                | (self.fp.root as u64 & 0xffff) << 24
+                | (self.fp.count & 0xff_ffff) << 40,
+        };
+        let w = crate::shm::WaitCtx {
+            ctx: &self.ctx,
+            deadline: self.deadline,
+            timeout: self.timeout,
+        };
+        (self.shm.as_deref_mut().expect("shared memory group"), w, fp)
+    }
 }
 
 impl Run<'_> {

@@ -569,6 +569,12 @@ impl TcpLinks {
             return Ok(true);
         }
         if self.rank > peer {
+            // The lower rank may have connected already (and even left since): take that first.
+            self.accept_pending(ctx)?;
+            self.pump_greetings();
+            if self.inb[peer].is_some() {
+                return Ok(true);
+            }
             let recently = self.asked_at[peer].is_some_and(|t| t.elapsed() < ASK_AGAIN);
             if self.asking[peer].is_none() && !recently {
                 let s = self.dial(ctx, peer, deadline)?;

@@ -1,0 +1,664 @@
+//! Shared memory within a host: one segment per communicator whose ranks all share a host, and
+//! collectives that work directly on it (no sockets, no syscalls on the fast path).
+//!
+//! The synchronisation protocol and the segment layout are in `README.md` beside this file.
+//! In short: each rank owns a monotonically increasing 32-bit arrival counter in its own cache
+//! line; "arrive" is a store with release (SeqCst) ordering, "wait for rank p to reach t" is an
+//! acquire load loop that spins briefly, then sleeps on a futex on p's counter (or yields at
+//! once when ranks outnumber cores). Every phase of every collective is an arrive followed by
+//! a wait for all peers, and the buffers a phase writes are provably no longer read by anyone.
+
+pub mod futex;
+pub mod segment;
+
+use crate::algo::even_segments;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, OpContext, Result};
+use crate::reduce::{finalize_mean, reduce_into, Order};
+use crate::transport::wait::WaitPolicy;
+use segment::Segment;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MAGIC: u64 = 0x6863_6f6d_6d73_686d; // "hcommshm"
+const HEADER: usize = 128;
+const LINE: usize = 128;
+/// Messages up to this size use the one-shot slot path.
+pub const SMALL: usize = 4096;
+/// Default bytes of the vector handled per pipeline step (`HCOMM_SHM_CHUNK` overrides).
+pub const DEFAULT_CHUNK: usize = 512 << 10;
+
+// Offsets inside a rank's control line.
+const CTR: usize = 0;
+const WAITERS: usize = 4;
+const PID: usize = 8;
+const FP_SEQ: usize = 16;
+const FP: usize = 24;
+
+/// Layout of a segment for `size` ranks and `chunk`-byte steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Ranks.
+    pub size: usize,
+    /// Bytes per pipeline step.
+    pub chunk: usize,
+}
+
+impl Layout {
+    fn ctrl(&self, r: usize) -> usize {
+        HEADER + r * LINE
+    }
+    fn small(&self, r: usize, par: usize) -> usize {
+        HEADER + self.size * LINE + (2 * r + par) * SMALL
+    }
+    fn staging(&self, r: usize, par: usize) -> usize {
+        HEADER + self.size * LINE + 2 * self.size * SMALL + (2 * r + par) * self.chunk
+    }
+    fn result(&self, par: usize) -> usize {
+        HEADER
+            + self.size * LINE
+            + 2 * self.size * SMALL
+            + 2 * self.size * self.chunk
+            + par * self.chunk
+    }
+    /// Total bytes of the segment.
+    pub fn bytes(&self) -> usize {
+        self.result(2)
+    }
+}
+
+/// The configured step size: `HCOMM_SHM_CHUNK` (bytes) or [`DEFAULT_CHUNK`], rounded to 4 KiB.
+pub fn chunk_from_env() -> usize {
+    let c = std::env::var("HCOMM_SHM_CHUNK")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(DEFAULT_CHUNK);
+    c.clamp(16 << 10, 64 << 20).div_ceil(4096) * 4096
+}
+
+fn reached(value: u32, target: u32) -> bool {
+    (value.wrapping_sub(target) as i32) >= 0
+}
+
+/// Fingerprint of a collective call, compared between ranks at its first barrier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// Communicator sequence number.
+    pub seq: u64,
+    /// Collective, dtype, op, root and count packed.
+    pub word: u64,
+}
+
+/// The shared-memory state of one rank of a communicator whose ranks share a host.
+pub struct ShmGroup {
+    seg: Segment,
+    layout: Layout,
+    rank: usize,
+    counter: u32,
+    calls: u64,
+    steps: u64,
+    policy: WaitPolicy,
+    abort: Arc<AtomicBool>,
+}
+
+/// What a rank needs to time out and name peers while it waits.
+pub struct WaitCtx<'a> {
+    /// Operation, for errors.
+    pub ctx: &'a OpContext,
+    /// When to give up.
+    pub deadline: Instant,
+    /// The operation's timeout (for the message).
+    pub timeout: Duration,
+}
+
+impl ShmGroup {
+    /// Create the segment (the local leader does this) and initialise it.
+    pub fn create(
+        name: &str,
+        layout: Layout,
+        rank: usize,
+        policy: WaitPolicy,
+        abort: Arc<AtomicBool>,
+    ) -> std::io::Result<ShmGroup> {
+        let seg = Segment::create(name, layout.bytes())?;
+        seg.atomic_u64(0).store(MAGIC, Ordering::Relaxed);
+        seg.atomic_u32(8)
+            .store(layout.size as u32, Ordering::Relaxed);
+        seg.atomic_u32(12)
+            .store(layout.chunk as u32, Ordering::Relaxed);
+        Ok(Self::new(seg, layout, rank, policy, abort))
+    }
+
+    /// Attach to the segment the leader created.
+    pub fn attach(
+        name: &str,
+        layout: Layout,
+        rank: usize,
+        policy: WaitPolicy,
+        abort: Arc<AtomicBool>,
+    ) -> std::io::Result<ShmGroup> {
+        let seg = Segment::open(name, layout.bytes())?;
+        if seg.atomic_u64(0).load(Ordering::Acquire) != MAGIC
+            || seg.atomic_u32(8).load(Ordering::Relaxed) as usize != layout.size
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("shared memory {name} has another layout"),
+            ));
+        }
+        Ok(Self::new(seg, layout, rank, policy, abort))
+    }
+
+    fn new(
+        seg: Segment,
+        layout: Layout,
+        rank: usize,
+        policy: WaitPolicy,
+        abort: Arc<AtomicBool>,
+    ) -> ShmGroup {
+        seg.atomic_u32(layout.ctrl(rank) + PID)
+            .store(std::process::id(), Ordering::Release);
+        ShmGroup {
+            seg,
+            layout,
+            rank,
+            counter: 0,
+            calls: 0,
+            steps: 0,
+            policy,
+            abort,
+        }
+    }
+
+    /// Remove the segment's name (after every local rank attached).
+    pub fn unlink(&self) -> std::io::Result<()> {
+        self.seg.unlink()
+    }
+
+    /// Bytes of shared memory this communicator uses on this host.
+    pub fn footprint(&self) -> usize {
+        self.layout.bytes()
+    }
+
+    fn size(&self) -> usize {
+        self.layout.size
+    }
+
+    /// Publish the next arrival.
+    fn arrive(&mut self) -> u32 {
+        self.counter = self.counter.wrapping_add(1);
+        let line = self.layout.ctrl(self.rank);
+        let ctr = self.seg.atomic_u32(line + CTR);
+        ctr.store(self.counter, Ordering::SeqCst);
+        if self.seg.atomic_u32(line + WAITERS).load(Ordering::SeqCst) != 0 {
+            futex::wake_all(ctr);
+        }
+        self.counter
+    }
+
+    /// Wait until rank `p` has arrived `target` times.
+    fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx) -> Result<()> {
+        let line = self.layout.ctrl(p);
+        let ctr = self.seg.atomic_u32(line + CTR);
+        if reached(ctr.load(Ordering::Acquire), target) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        // Busy phase: spin (or yield when oversubscribed) for the configured time.
+        while start.elapsed() < self.policy.spin {
+            if self.policy.yield_cpu {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            if reached(ctr.load(Ordering::Acquire), target) {
+                return Ok(());
+            }
+        }
+        // Sleep on the peer's counter, checking the deadline, abort and the peer's life.
+        let waiters = self.seg.atomic_u32(line + WAITERS);
+        let mut last_check = Instant::now();
+        loop {
+            waiters.fetch_add(1, Ordering::SeqCst);
+            let v = ctr.load(Ordering::SeqCst);
+            if reached(v, target) {
+                waiters.fetch_sub(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            futex::wait(ctr, v, Duration::from_millis(10));
+            waiters.fetch_sub(1, Ordering::SeqCst);
+            if reached(ctr.load(Ordering::Acquire), target) {
+                return Ok(());
+            }
+            if self.abort.load(Ordering::Relaxed) {
+                return Err(Error::Aborted { ctx: w.ctx.clone() });
+            }
+            let now = Instant::now();
+            if now >= w.deadline {
+                return Err(Error::Timeout {
+                    ctx: w.ctx.clone(),
+                    peers: vec![p],
+                    after: w.timeout,
+                    detail: format!(
+                        "shared memory: rank {p} did not arrive (at {} of {target})",
+                        ctr.load(Ordering::Relaxed)
+                    ),
+                });
+            }
+            if now.duration_since(last_check) >= Duration::from_millis(100) {
+                last_check = now;
+                let pid = self.seg.atomic_u32(line + PID).load(Ordering::Acquire);
+                if pid != 0 && pid != std::process::id() {
+                    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                        if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
+                            return Err(Error::PeerClosed {
+                                ctx: w.ctx.clone(),
+                                peer: p,
+                                detail: format!(
+                                    "its process {} is gone (shared memory)",
+                                    pid.as_raw_pid()
+                                ),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn arrive_and_wait_all(&mut self, w: &WaitCtx) -> Result<()> {
+        let t = self.arrive();
+        for p in 0..self.size() {
+            if p != self.rank {
+                self.wait_rank(p, t, w)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Publish this call's fingerprint (before its first arrival).
+    fn publish(&self, fp: Fingerprint) {
+        let line = self.layout.ctrl(self.rank);
+        self.seg
+            .atomic_u64(line + FP)
+            .store(fp.word, Ordering::Relaxed);
+        self.seg
+            .atomic_u64(line + FP_SEQ)
+            .store(fp.seq, Ordering::Release);
+    }
+
+    /// After the first barrier of a call: every peer still in this call has the same fingerprint.
+    fn verify(&self, fp: Fingerprint, w: &WaitCtx, describe: &dyn Fn(u64) -> String) -> Result<()> {
+        for p in 0..self.size() {
+            if p == self.rank {
+                continue;
+            }
+            let line = self.layout.ctrl(p);
+            let seq = self.seg.atomic_u64(line + FP_SEQ).load(Ordering::Acquire);
+            let word = self.seg.atomic_u64(line + FP).load(Ordering::Relaxed);
+            if seq == fp.seq && word != fp.word {
+                return Err(Error::Mismatch {
+                    ctx: w.ctx.clone(),
+                    peer: p,
+                    msg: format!(
+                        "rank {p} called {} while this rank called {} at seq {}",
+                        describe(word),
+                        describe(fp.word),
+                        fp.seq
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The first barrier of a call, with the fingerprint check.
+    fn first_barrier(
+        &mut self,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        self.publish(fp);
+        self.arrive_and_wait_all(w)?;
+        self.verify(fp, w, describe)
+    }
+
+    /// Barrier.
+    pub fn barrier(
+        &mut self,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        self.first_barrier(fp, w, describe)
+    }
+
+    /// All-reduce (`input = None`: in place on `out`); with `root = Some(r)` it is a reduce and
+    /// only rank `r` writes `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce(
+        &mut self,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: Option<usize>,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let es = dtype.size();
+        let len = input.map_or(out.len(), |i| i.len());
+        let writes_out = root.is_none_or(|r| r == me);
+        if len <= SMALL {
+            // One shot: everyone publishes its vector; everyone sums all in rank order.
+            let par = (self.calls % 2) as usize;
+            self.calls += 1;
+            let src: &[u8] = match input {
+                Some(i) => i,
+                None => &*out,
+            };
+            // SAFETY: slot (me, par) is this rank's: peers last read it in the call before the
+            // previous one, and every peer arrived at the previous call after finishing that.
+            unsafe { self.seg.write(self.layout.small(me, par), src) };
+            self.first_barrier(fp, w, describe)?;
+            if writes_out {
+                for p in 0..n {
+                    // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
+                    // not write it again before we arrive at the next call.
+                    let slot = unsafe { self.seg.bytes(self.layout.small(p, par), len) };
+                    if p == 0 {
+                        out[..len].copy_from_slice(slot);
+                    } else {
+                        reduce_into(dtype, op, &mut out[..len], slot, Order::AccFirst);
+                    }
+                }
+                if op == ReduceOp::Mean {
+                    finalize_mean(dtype, out, n);
+                }
+            }
+            return Ok(());
+        }
+        let chunk = self.layout.chunk / (n * es) * (n * es);
+        let mut first = true;
+        let mut o = 0;
+        while o < len {
+            let l = chunk.min(len - o);
+            let segs = even_segments(l / es, n, es);
+            let par = (self.steps % 2) as usize;
+            self.steps += 1;
+            let inp: &[u8] = match input {
+                Some(i) => &i[o..o + l],
+                None => &out[o..o + l],
+            };
+            // Phase A: stage the slices the peers reduce.
+            for (p, s) in segs.iter().enumerate() {
+                if p != me {
+                    // SAFETY: staging (me, par) is ours: its readers finished the step two steps
+                    // ago before arriving at that step's phase B, which we awaited.
+                    unsafe {
+                        self.seg
+                            .write(self.layout.staging(me, par) + s.start, &inp[s.clone()])
+                    };
+                }
+            }
+            if first {
+                self.first_barrier(fp, w, describe)?;
+                first = false;
+            } else {
+                self.arrive_and_wait_all(w)?;
+            }
+            // Reduce our slice, in rank order, into the shared result.
+            let mine = segs[me].clone();
+            let r_off = self.layout.result(par) + mine.start;
+            // SAFETY: the result slice of rank `me` is written only by us between this step's
+            // phase A and B; its readers (after phase B two steps ago) arrived at this step's A.
+            let acc = unsafe { self.seg.bytes_mut(r_off, mine.len()) };
+            for p in 0..n {
+                let contribution: &[u8] = if p == me {
+                    &inp[mine.clone()]
+                } else {
+                    // SAFETY: published by p's phase-A arrival; p rewrites it only after our
+                    // phase-B arrival of this step.
+                    unsafe {
+                        self.seg
+                            .bytes(self.layout.staging(p, par) + mine.start, mine.len())
+                    }
+                };
+                if p == 0 {
+                    acc.copy_from_slice(contribution);
+                } else {
+                    reduce_into(dtype, op, acc, contribution, Order::AccFirst);
+                }
+            }
+            // Phase B: everyone's slice is reduced; copy the others' out.
+            self.arrive_and_wait_all(w)?;
+            if writes_out {
+                for (p, s) in segs.iter().enumerate() {
+                    // SAFETY: result slices were published by the phase-B arrivals we awaited and
+                    // are rewritten only after our next arrival.
+                    unsafe {
+                        self.seg.read(
+                            self.layout.result(par) + s.start,
+                            &mut out[o + s.start..o + s.end],
+                        )
+                    };
+                    let _ = p;
+                }
+            }
+            o += l;
+        }
+        if writes_out && op == ReduceOp::Mean {
+            finalize_mean(dtype, out, n);
+        }
+        Ok(())
+    }
+
+    /// Broadcast `buf` from `root`.
+    pub fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        let me = self.rank;
+        let mut first = true;
+        let mut o = 0;
+        loop {
+            let l = self.layout.chunk.min(buf.len() - o);
+            let par = (self.steps % 2) as usize;
+            self.steps += 1;
+            if me == root {
+                // SAFETY: staging (root, par) is ours (readers finished two steps ago).
+                unsafe {
+                    self.seg
+                        .write(self.layout.staging(root, par), &buf[o..o + l])
+                };
+            }
+            if first {
+                self.first_barrier(fp, w, describe)?;
+                first = false;
+            } else {
+                self.arrive_and_wait_all(w)?;
+            }
+            if me != root {
+                // SAFETY: published by the root's arrival; rewritten only after our next one.
+                unsafe {
+                    self.seg
+                        .read(self.layout.staging(root, par), &mut buf[o..o + l])
+                };
+            }
+            self.arrive_and_wait_all(w)?;
+            o += l;
+            if o >= buf.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// All-gather with per-rank block sizes (bytes `blocks[p]`, placed consecutively in `out`);
+    /// `input = None`: this rank's block is already in place in `out`. With `root = Some(r)` it
+    /// is a gather and only rank `r` writes `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_gather(
+        &mut self,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        blocks: &[usize],
+        root: Option<usize>,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        let me = self.rank;
+        let offs: Vec<usize> = blocks
+            .iter()
+            .scan(0, |acc, &b| {
+                let o = *acc;
+                *acc += b;
+                Some(o)
+            })
+            .collect();
+        let longest = blocks.iter().copied().max().unwrap_or(0);
+        let writes_out = root.is_none_or(|r| r == me);
+        let chunk = self.layout.chunk;
+        let mut first = true;
+        let mut o = 0;
+        loop {
+            let par = (self.steps % 2) as usize;
+            self.steps += 1;
+            let mine_l = blocks[me].saturating_sub(o).min(chunk);
+            let src: &[u8] = match input {
+                Some(i) => &i[o.min(i.len())..o.min(i.len()) + mine_l],
+                None => &out[offs[me] + o.min(blocks[me])..offs[me] + o.min(blocks[me]) + mine_l],
+            };
+            // SAFETY: staging (me, par) is ours (readers finished two steps ago).
+            unsafe { self.seg.write(self.layout.staging(me, par), src) };
+            if first {
+                self.first_barrier(fp, w, describe)?;
+                first = false;
+            } else {
+                self.arrive_and_wait_all(w)?;
+            }
+            if writes_out {
+                for (p, &b) in blocks.iter().enumerate() {
+                    let l = b.saturating_sub(o).min(chunk);
+                    if l == 0 || (p == me && input.is_none()) {
+                        continue;
+                    }
+                    let dst = &mut out[offs[p] + o..offs[p] + o + l];
+                    // SAFETY: published by p's arrival; rewritten only after our next arrival.
+                    unsafe { self.seg.read(self.layout.staging(p, par), dst) };
+                }
+            }
+            self.arrive_and_wait_all(w)?;
+            o += chunk;
+            if o >= longest {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Reduce-scatter with per-rank block sizes (bytes); `input = None`: in place, the result
+    /// lands in block `rank` of `out` (other blocks unchanged), else `out` is this rank's block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter(
+        &mut self,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        blocks: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let es = dtype.size();
+        let offs: Vec<usize> = blocks
+            .iter()
+            .scan(0, |acc, &b| {
+                let o = *acc;
+                *acc += b;
+                Some(o)
+            })
+            .collect();
+        let longest = blocks.iter().copied().max().unwrap_or(0);
+        // Each step handles a piece of every block; staging holds one piece per block.
+        let piece = (self.layout.chunk / n / es * es).max(es);
+        let mut first = true;
+        let mut o = 0;
+        loop {
+            let par = (self.steps % 2) as usize;
+            self.steps += 1;
+            let full: &[u8] = match input {
+                Some(i) => i,
+                None => &*out,
+            };
+            for (p, &b) in blocks.iter().enumerate() {
+                let l = b.saturating_sub(o).min(piece);
+                if p != me && l > 0 {
+                    // SAFETY: staging (me, par) is ours (readers finished two steps ago).
+                    unsafe {
+                        self.seg.write(
+                            self.layout.staging(me, par) + p * piece,
+                            &full[offs[p] + o..offs[p] + o + l],
+                        )
+                    };
+                }
+            }
+            if first {
+                self.first_barrier(fp, w, describe)?;
+                first = false;
+            } else {
+                self.arrive_and_wait_all(w)?;
+            }
+            let l = blocks[me].saturating_sub(o).min(piece);
+            if l > 0 {
+                let r_off = self.layout.result(par) + me * piece;
+                // SAFETY: our piece of the result area, ours between phases A and B.
+                let acc = unsafe { self.seg.bytes_mut(r_off, l) };
+                for p in 0..n {
+                    let contribution: &[u8] = if p == me {
+                        match input {
+                            Some(i) => &i[offs[me] + o..offs[me] + o + l],
+                            None => &out[offs[me] + o..offs[me] + o + l],
+                        }
+                    } else {
+                        // SAFETY: published by p's phase-A arrival.
+                        unsafe { self.seg.bytes(self.layout.staging(p, par) + me * piece, l) }
+                    };
+                    if p == 0 {
+                        acc.copy_from_slice(contribution);
+                    } else {
+                        reduce_into(dtype, op, acc, contribution, Order::AccFirst);
+                    }
+                }
+                let dst = match input {
+                    Some(_) => &mut out[o..o + l],
+                    None => &mut out[offs[me] + o..offs[me] + o + l],
+                };
+                dst.copy_from_slice(acc);
+            }
+            self.arrive_and_wait_all(w)?;
+            o += piece;
+            if o >= longest {
+                break;
+            }
+        }
+        if op == ReduceOp::Mean {
+            match input {
+                Some(_) => finalize_mean(dtype, out, n),
+                None => finalize_mean(dtype, &mut out[offs[me]..offs[me] + blocks[me]], n),
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,198 @@
+//! A POSIX shared-memory segment mapped into this process. This module and
+//! [`super::futex`] hold the library's only `unsafe` code for shared memory.
+
+use std::io;
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
+
+use rustix::fs::Mode;
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::shm::OFlags;
+
+/// A mapped segment. Unmapped on drop; the name is unlinked by whoever called
+/// [`Segment::unlink`] (the creator, once every local rank has attached), so that a crash of
+/// any rank leaves nothing in /dev/shm.
+pub struct Segment {
+    ptr: NonNull<u8>,
+    len: usize,
+    name: String,
+}
+
+// SAFETY: the mapping is plain shared memory; every access from this crate goes through atomic
+// types or through byte ranges whose exclusive use is guaranteed by the protocol in README.md.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Create a new segment `name` of `len` bytes (0600, must not exist) and map it.
+    pub fn create(name: &str, len: usize) -> io::Result<Segment> {
+        let fd = rustix::shm::open(
+            name,
+            OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
+            Mode::RUSR | Mode::WUSR,
+        )?;
+        if let Err(e) = rustix::fs::ftruncate(&fd, len as u64) {
+            let _ = rustix::shm::unlink(name);
+            return Err(e.into());
+        }
+        Self::map(fd, name, len).inspect_err(|_| {
+            let _ = rustix::shm::unlink(name);
+        })
+    }
+
+    /// Map the existing segment `name`, which must be `len` bytes.
+    pub fn open(name: &str, len: usize) -> io::Result<Segment> {
+        let fd = rustix::shm::open(name, OFlags::RDWR, Mode::empty())?;
+        let st = rustix::fs::fstat(&fd)?;
+        if (st.st_size as u64) < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "shared memory {name} is {} bytes, expected {len}",
+                    st.st_size
+                ),
+            ));
+        }
+        Self::map(fd, name, len)
+    }
+
+    fn map(fd: rustix::fd::OwnedFd, name: &str, len: usize) -> io::Result<Segment> {
+        // SAFETY: a fresh shared mapping of a file we hold open; no existing memory is affected.
+        let p = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )?
+        };
+        let ptr =
+            NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Segment {
+            ptr,
+            len,
+            name: name.to_string(),
+        })
+    }
+
+    /// Remove the name (the memory lives on while mapped).
+    pub fn unlink(&self) -> io::Result<()> {
+        rustix::shm::unlink(self.name.as_str()).map_err(Into::into)
+    }
+
+    /// The segment's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length segment.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The 32-bit atomic at byte offset `off` (4-byte aligned, inside the segment).
+    pub fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= self.len,
+            "atomic at {off} outside the segment"
+        );
+        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned); AtomicU32
+        // has the layout of u32 and the memory lives as long as `self`.
+        unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    /// The 64-bit atomic at byte offset `off` (8-byte aligned, inside the segment).
+    pub fn atomic_u64(&self, off: usize) -> &std::sync::atomic::AtomicU64 {
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= self.len,
+            "atomic at {off} outside the segment"
+        );
+        // SAFETY: as for `atomic_u32`.
+        unsafe {
+            &*self
+                .ptr
+                .as_ptr()
+                .add(off)
+                .cast::<std::sync::atomic::AtomicU64>()
+        }
+    }
+
+    /// Copy `src` into the segment at `off`.
+    ///
+    /// # Safety
+    /// No other rank may access these bytes until this rank publishes them with a release store
+    /// (the protocol in README.md gives the range to this rank alone).
+    pub unsafe fn write(&self, off: usize, src: &[u8]) {
+        assert!(
+            off + src.len() <= self.len,
+            "write of {} bytes at {off} outside the segment",
+            src.len()
+        );
+        // SAFETY: in bounds; a `&[u8]` cannot alias the exclusively owned target range (caller's
+        // obligation), so the copy does not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
+        }
+    }
+
+    /// Copy bytes at `off` into `dst`.
+    ///
+    /// # Safety
+    /// The writer must have published the bytes (release) and this rank observed that
+    /// (acquire), and nobody may write them until this rank says it is done.
+    pub unsafe fn read(&self, off: usize, dst: &mut [u8]) {
+        assert!(
+            off + dst.len() <= self.len,
+            "read of {} bytes at {off} outside the segment",
+            dst.len()
+        );
+        // SAFETY: in bounds; `dst` is exclusively borrowed, so it cannot overlap a range that is
+        // only read here.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// A shared view of `len` bytes at `off`.
+    ///
+    /// # Safety
+    /// Nobody may write the range while the view lives (as for [`read`](Self::read)).
+    pub unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        assert!(
+            off + len <= self.len,
+            "view of {len} bytes at {off} outside the segment"
+        );
+        // SAFETY: in bounds; no concurrent writer is the caller's obligation (see # Safety).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+
+    /// An exclusive view of `len` bytes at `off`.
+    ///
+    /// # Safety
+    /// Nobody else may read or write the range while the view lives (as for
+    /// [`write`](Self::write)), and this rank must hold no other view of it.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
+        assert!(
+            off + len <= self.len,
+            "view of {len} bytes at {off} outside the segment"
+        );
+        // SAFETY: in bounds; exclusivity is the caller's obligation (see # Safety).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: we mapped exactly this range and nothing borrows it past `self`.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
