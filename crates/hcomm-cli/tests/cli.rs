@@ -438,3 +438,19 @@ fn doctor_measures_every_pair() {
         "{err}"
     );
 }
+
+#[test]
+fn two_jobs_side_by_side_do_not_interfere() {
+    let a =
+        std::thread::spawn(|| hcomm(&["check", "-np", "2", "--quick"], Duration::from_secs(120)));
+    let b = std::thread::spawn(|| {
+        hcomm(
+            &["check", "-np", "3", "--quick", "--algos", "shm,ring"],
+            Duration::from_secs(120),
+        )
+    });
+    for (code, out, err) in [a.join().unwrap(), b.join().unwrap()] {
+        assert_eq!(code, Some(0), "{out}\n{err}");
+        assert!(out.contains(" 0 failed"), "{out}");
+    }
+}

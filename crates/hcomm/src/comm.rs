@@ -217,7 +217,8 @@ struct Inner {
     seq: u64,
     poisoned: Option<String>,
     algo: HashMap<Collective, Algo>,
-    logged: HashSet<(Collective, Algo)>,
+    /// Which (collective, algorithm) choices were logged at info level already (bit per algorithm).
+    logged: [u16; 16],
     splits: u64,
     groups: HashMap<Vec<usize>, u64>,
     open_conns: HashSet<(usize, u32)>,
@@ -241,7 +242,8 @@ pub struct Communicator {
     hosts: Vec<String>,
     comm_id: String,
     store_addr: String,
-    timeout: Mutex<Duration>,
+    /// The deadline of every blocking call, in nanoseconds.
+    timeout_ns: std::sync::atomic::AtomicU64,
     thresholds: Thresholds,
     policy: WaitPolicy,
     aborted: Arc<AtomicBool>,
@@ -451,7 +453,9 @@ impl Communicator {
             hosts,
             comm_id,
             store_addr,
-            timeout: Mutex::new(timeout),
+            timeout_ns: std::sync::atomic::AtomicU64::new(
+                timeout.as_nanos().min(u64::MAX as u128) as u64
+            ),
             thresholds: Thresholds::default(),
             policy,
             aborted,
@@ -460,7 +464,7 @@ impl Communicator {
                 seq: 0,
                 poisoned: None,
                 algo,
-                logged: HashSet::new(),
+                logged: [0; 16],
                 splits: 0,
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
@@ -511,12 +515,13 @@ impl Communicator {
 
     /// The deadline applied to every blocking call.
     pub fn timeout(&self) -> Duration {
-        *self.timeout.lock().unwrap()
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
     /// Change the deadline applied to every later blocking call.
     pub fn set_timeout(&self, d: Duration) {
-        *self.timeout.lock().unwrap() = d;
+        self.timeout_ns
+            .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
     /// True when this communicator's ranks share a host and use shared memory.
@@ -629,7 +634,9 @@ impl Communicator {
     fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize) -> Algo {
         let forced = inner.algo.get(&coll).copied().unwrap_or(Algo::Auto);
         let algo = self.select(coll, bytes, forced);
-        if inner.logged.insert((coll, algo)) {
+        let bit = 1u16 << algo.code();
+        if inner.logged[coll as usize] & bit == 0 {
+            inner.logged[coll as usize] |= bit;
             tracing::info!(
                 rank = self.rank,
                 "{} of {bytes} bytes on {} ranks: algorithm {algo}{}",

@@ -2,7 +2,6 @@
 //! set, the test body runs as a rank instead of as the driver). Covers bootstrap from each
 //! launcher's variables and from a rank table, and a rank killed mid-job.
 
-use std::collections::HashMap;
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -309,52 +308,52 @@ fn bootstrap_errors_name_the_problem() {
     }
 }
 
-#[test]
-fn a_killed_rank_makes_every_survivor_fail_within_the_timeout() {
-    if is_worker() {
-        let comm = Communicator::from_env().unwrap();
-        let mut v = vec![1f32; 200_000];
-        comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
-        if comm.rank() == 1 {
-            // Die hard, without closing anything politely.
-            nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)
-                .unwrap();
-        }
-        let start = Instant::now();
-        let err = loop {
-            if let Err(e) = comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
-                break e;
-            }
-        };
-        let kind = match err {
-            Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
-            Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
-            ref other => format!("Other({other})"),
-        };
-        println!(
-            "\nSURVIVOR {} failed after {:.1}s: {kind}: {err}",
-            comm.rank(),
-            start.elapsed().as_secs_f64()
-        );
-        return;
+fn killed_rank_worker() {
+    let comm = Communicator::from_env().unwrap();
+    let mut v = vec![1f32; 200_000];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    if comm.rank() == 1 {
+        // Die hard, without closing anything politely.
+        nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)
+            .unwrap();
     }
+    let start = Instant::now();
+    let err = loop {
+        if let Err(e) = comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+            break e;
+        }
+    };
+    let kind = match err {
+        Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
+        Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
+        ref other => format!("Other({other})"),
+    };
+    println!(
+        "\nSURVIVOR {} shm={} failed after {:.1}s: {kind}: {err}",
+        comm.rank(),
+        comm.has_shared_memory(),
+        start.elapsed().as_secs_f64()
+    );
+}
+
+/// Kill rank 1 of 4 in the middle of all-reduces; every survivor must fail (naming a peer)
+/// well within the run's bound, and no shared-memory segment may be left behind.
+fn killed_rank(test: &str, transport: &str) -> Vec<String> {
     let port = free_port();
     let n = 4;
-    let kids = spawn(
-        "a_killed_rank_makes_every_survivor_fail_within_the_timeout",
-        n,
-        |r| {
-            vec![
-                ("HCOMM_RANK".into(), r.to_string()),
-                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("HCOMM_MASTER_PORT".into(), port.to_string()),
-                ("HCOMM_TIMEOUT".into(), "5s".into()),
-            ]
-        },
-    );
+    let kids = spawn(test, n, |r| {
+        vec![
+            ("HCOMM_RANK".into(), r.to_string()),
+            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ("HCOMM_TIMEOUT".into(), "5s".into()),
+            ("HCOMM_TRANSPORT".into(), transport.into()),
+        ]
+    });
+    let rank0 = kids[0].id();
     let res = wait_all(kids, Duration::from_secs(60));
-    let mut seen = HashMap::new();
+    let mut lines = Vec::new();
     for (r, (code, out)) in res.iter().enumerate() {
         if r == 1 {
             assert_eq!(*code, None, "rank 1 should have been killed:\n{out}");
@@ -369,7 +368,45 @@ fn a_killed_rank_makes_every_survivor_fail_within_the_timeout() {
             line.contains("PeerClosed") || line.contains("Timeout"),
             "rank {r}: {line}"
         );
-        seen.insert(r, line.to_string());
+        lines.push(line.to_string());
     }
-    assert_eq!(seen.len(), n - 1);
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|f| f.contains(&format!("-{rank0}-")))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
+    lines
+}
+
+#[test]
+fn a_killed_rank_makes_every_survivor_fail_over_tcp() {
+    if is_worker() {
+        return killed_rank_worker();
+    }
+    killed_rank("a_killed_rank_makes_every_survivor_fail_over_tcp", "tcp");
+}
+
+#[test]
+fn a_killed_rank_makes_every_survivor_fail_over_shared_memory() {
+    if is_worker() {
+        return killed_rank_worker();
+    }
+    let lines = killed_rank(
+        "a_killed_rank_makes_every_survivor_fail_over_shared_memory",
+        "shm",
+    );
+    for l in &lines {
+        assert!(l.contains("shm=true"), "{l}");
+    }
+    // On shared memory every survivor waits for every rank, so each names the dead one.
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.contains("PeerClosed(1)") || l.contains("Timeout([1])")),
+        "{lines:?}"
+    );
 }

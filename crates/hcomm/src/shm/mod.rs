@@ -35,6 +35,10 @@ const WAITERS: usize = 4;
 const PID: usize = 8;
 const FP_SEQ: usize = 16;
 const FP: usize = 24;
+/// Up to this many bytes travel inside the control line itself (two parities of 48 bytes at
+/// offset 32), so a peer gets counter and data in one cache-line transfer.
+const INLINE: usize = 48;
+const INLINE_AT: usize = 32;
 
 /// Layout of a segment for `size` ranks and `chunk`-byte steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +55,14 @@ impl Layout {
     }
     fn small(&self, r: usize, par: usize) -> usize {
         HEADER + self.size * LINE + (2 * r + par) * SMALL
+    }
+    /// Where a `len`-byte one-shot message of rank `r` goes.
+    fn slot(&self, r: usize, par: usize, len: usize) -> usize {
+        if len <= INLINE {
+            self.ctrl(r) + INLINE_AT + par * INLINE
+        } else {
+            self.small(r, par)
+        }
     }
     fn staging(&self, r: usize, par: usize) -> usize {
         HEADER + self.size * LINE + 2 * self.size * SMALL + (2 * r + par) * self.chunk
@@ -190,8 +202,10 @@ impl ShmGroup {
         self.counter = self.counter.wrapping_add(1);
         let line = self.layout.ctrl(self.rank);
         let ctr = self.seg.atomic_u32(line + CTR);
-        ctr.store(self.counter, Ordering::SeqCst);
-        if self.seg.atomic_u32(line + WAITERS).load(Ordering::SeqCst) != 0 {
+        ctr.store(self.counter, Ordering::Release);
+        // Dekker with the waiter's `waiters += 1; fence; load(counter)` (README.md).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.seg.atomic_u32(line + WAITERS).load(Ordering::Relaxed) != 0 {
             futex::wake_all(ctr);
         }
         self.counter
@@ -205,29 +219,36 @@ impl ShmGroup {
             return Ok(());
         }
         let start = Instant::now();
-        // Busy phase: spin (or yield when oversubscribed) for the configured time.
-        while start.elapsed() < self.policy.spin {
-            if self.policy.yield_cpu {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
+        // Busy phase: spin (or yield when oversubscribed) for the configured time; the clock
+        // is read only every 64 polls so that it does not slow down noticing the peer.
+        'busy: loop {
+            for _ in 0..64 {
+                if self.policy.yield_cpu {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                if reached(ctr.load(Ordering::Acquire), target) {
+                    return Ok(());
+                }
             }
-            if reached(ctr.load(Ordering::Acquire), target) {
-                return Ok(());
+            if start.elapsed() >= self.policy.spin {
+                break 'busy;
             }
         }
         // Sleep on the peer's counter, checking the deadline, abort and the peer's life.
         let waiters = self.seg.atomic_u32(line + WAITERS);
         let mut last_check = Instant::now();
         loop {
-            waiters.fetch_add(1, Ordering::SeqCst);
-            let v = ctr.load(Ordering::SeqCst);
+            waiters.fetch_add(1, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let v = ctr.load(Ordering::Acquire);
             if reached(v, target) {
-                waiters.fetch_sub(1, Ordering::SeqCst);
+                waiters.fetch_sub(1, Ordering::Relaxed);
                 return Ok(());
             }
             futex::wait(ctr, v, Duration::from_millis(10));
-            waiters.fetch_sub(1, Ordering::SeqCst);
+            waiters.fetch_sub(1, Ordering::Relaxed);
             if reached(ctr.load(Ordering::Acquire), target) {
                 return Ok(());
             }
@@ -364,13 +385,13 @@ impl ShmGroup {
             };
             // SAFETY: slot (me, par) is this rank's: peers last read it in the call before the
             // previous one, and every peer arrived at the previous call after finishing that.
-            unsafe { self.seg.write(self.layout.small(me, par), src) };
+            unsafe { self.seg.write(self.layout.slot(me, par, len), src) };
             self.first_barrier(fp, w, describe)?;
             if writes_out {
                 for p in 0..n {
                     // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
                     // not write it again before we arrive at the next call.
-                    let slot = unsafe { self.seg.bytes(self.layout.small(p, par), len) };
+                    let slot = unsafe { self.seg.bytes(self.layout.slot(p, par, len), len) };
                     if p == 0 {
                         out[..len].copy_from_slice(slot);
                     } else {
