@@ -254,9 +254,29 @@ pub struct Communicator {
     transport: TransportKind,
     /// Bytes of shared memory this communicator maps (0 without shared memory).
     shm_bytes: usize,
+    /// A connection to the rendezvous store for after bootstrap (windows), made on first use.
+    store: Mutex<Option<StoreClient>>,
+    /// Collective window allocations so far.
+    windows: std::sync::atomic::AtomicU64,
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
+}
+
+/// A random 64-bit number (time, pid and a counter through a hash; for ids, not for secrets).
+pub(crate) fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
 }
 
 fn hash64(s: &str) -> u64 {
@@ -474,6 +494,8 @@ impl Communicator {
             _server: server,
             transport,
             shm_bytes,
+            store: Mutex::new(None),
+            windows: std::sync::atomic::AtomicU64::new(0),
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
         })
     }
@@ -522,6 +544,45 @@ impl Communicator {
     pub fn set_timeout(&self, d: Duration) {
         self.timeout_ns
             .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn next_window_number(&self) -> u64 {
+        self.windows.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn with_store<T>(
+        &self,
+        f: impl FnOnce(&mut StoreClient) -> std::result::Result<T, crate::bootstrap::store::StoreError>,
+    ) -> Result<T> {
+        let mut guard = self.store.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(
+                StoreClient::connect(&self.store_addr, self.timeout())
+                    .map_err(|e| Error::Config(e.to_string()))?,
+            );
+        }
+        f(guard.as_mut().expect("connected"))
+            .map_err(|e| Error::Config(format!("rendezvous store: {e}")))
+    }
+
+    pub(crate) fn store_set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.with_store(|s| s.set(key, value))
+    }
+
+    pub(crate) fn store_get(&self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.with_store(|s| s.get(key, left)).map_err(|e| match e {
+            Error::Config(m) if m.contains("timed out") => Error::Timeout {
+                ctx: OpContext {
+                    op: "get_shared",
+                    seq: 0,
+                },
+                peers: Vec::new(),
+                after: self.timeout(),
+                detail: m,
+            },
+            other => other,
+        })
     }
 
     /// True when this communicator's ranks share a host and use shared memory.

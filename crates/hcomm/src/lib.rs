@@ -25,9 +25,11 @@ pub mod reduce;
 pub mod shm;
 pub mod testing;
 pub mod transport;
+mod window;
 
 pub use algo::Algo;
 pub use comm::{Collective, Communicator, Connection};
 pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, OpContext, Result};
+pub use window::{SharedMemory, Window};

@@ -410,3 +410,59 @@ fn a_killed_rank_makes_every_survivor_fail_over_shared_memory() {
         "{lines:?}"
     );
 }
+
+#[test]
+fn shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappings_only() {
+    if is_worker() {
+        let comm = Communicator::from_env().unwrap();
+        if comm.rank() == 0 {
+            let shm = comm.alloc_shared(1 << 20).unwrap();
+            shm.write(0, &vec![0x5a; 1 << 20]).unwrap();
+            comm.signal(1, 1).unwrap();
+            comm.wait_signal(1, 2).unwrap();
+            let mut b = [0u8; 2];
+            shm.read((1 << 20) - 2, &mut b).unwrap();
+            assert_eq!(b, [1, 2]);
+            drop(shm); // FreeSharedMemory
+            comm.signal(1, 3).unwrap();
+        } else {
+            comm.wait_signal(0, 1).unwrap();
+            let shm = comm.get_shared(0).unwrap();
+            assert!(shm.path().starts_with("/proc/"));
+            let mut all = vec![0u8; 1 << 20];
+            shm.read(0, &mut all).unwrap();
+            assert!(all.iter().all(|&x| x == 0x5a));
+            shm.write((1 << 20) - 2, &[1, 2]).unwrap();
+            comm.signal(0, 2).unwrap();
+            comm.wait_signal(0, 3).unwrap();
+            // The owner freed it; our mapping stays valid until we drop it.
+            shm.read(0, &mut all[..4]).unwrap();
+            assert_eq!(&all[..4], &[0x5a; 4]);
+        }
+        comm.barrier().unwrap();
+        println!("WORKER OK rank {}", comm.rank());
+        return;
+    }
+    let port = free_port();
+    let before: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    let kids = spawn(
+        "shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappings_only",
+        2,
+        |r| {
+            vec![
+                ("HCOMM_RANK".into(), r.to_string()),
+                ("HCOMM_WORLD_SIZE".into(), "2".into()),
+                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+                ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ]
+        },
+    );
+    assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
+    let after: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+    assert!(new.is_empty(), "left in /dev/shm: {new:?}");
+}

@@ -16,6 +16,9 @@ pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     name: String,
+    /// For anonymous (memfd) segments: the descriptor that lets peers open
+    /// `/proc/<pid>/fd/<fd>` while this process keeps it.
+    fd: Option<rustix::fd::OwnedFd>,
 }
 
 // SAFETY: the mapping is plain shared memory; every access from this crate goes through atomic
@@ -75,7 +78,47 @@ impl Segment {
             ptr,
             len,
             name: name.to_string(),
+            fd: None,
         })
+    }
+
+    /// Create an anonymous segment (memfd): it has no name in /dev/shm, so it can never be
+    /// left behind; other local processes open it through [`name`](Self::name)
+    /// (`/proc/<pid>/fd/<fd>`) while this segment lives.
+    pub fn anonymous(len: usize) -> io::Result<Segment> {
+        let fd = rustix::fs::memfd_create("hcomm-window", rustix::fs::MemfdFlags::CLOEXEC)?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        let keep = fd.try_clone()?;
+        let mut seg = Self::map(fd, "", len.max(1))?;
+        seg.name = format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(&keep)
+        );
+        seg.fd = Some(keep);
+        Ok(seg)
+    }
+
+    /// Map the file at `path` (another process's anonymous segment), which must hold at least
+    /// `len` bytes.
+    pub fn open_path(path: &str, len: usize) -> io::Result<Segment> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        let size = file.metadata()?.len();
+        if size < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} is {size} bytes, expected {len}"),
+            ));
+        }
+        Self::map(rustix::fd::OwnedFd::from(file), path, len.max(1))
+    }
+
+    /// Base address of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// Remove the name (the memory lives on while mapped).
@@ -83,7 +126,7 @@ impl Segment {
         rustix::shm::unlink(self.name.as_str()).map_err(Into::into)
     }
 
-    /// The segment's name.
+    /// The segment's name (for anonymous segments: the `/proc/<pid>/fd/<fd>` path).
     pub fn name(&self) -> &str {
         &self.name
     }

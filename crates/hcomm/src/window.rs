@@ -1,0 +1,314 @@
+//! Shared memory between the ranks of one host, as the documented
+//! `AllocateSharedMemory` / `GetSharedMemory(src_rank)` / `FreeSharedMemory`:
+//!
+//! * [`Communicator::alloc_shared`] creates and publishes this rank's segment (not collective);
+//! * [`Communicator::get_shared`] maps the segment `src_rank` published, waiting for it up to the
+//!   communicator's timeout; ranks on other hosts get an error;
+//! * [`Communicator::alloc_window`] is the collective form: every rank allocates its part and
+//!   maps every peer's.
+//!
+//! Segments are anonymous memory files (memfd): they have no name in `/dev/shm`, so none can
+//! outlive the job; a peer opens the owner's `/proc/<pid>/fd/<fd>` while the owner holds it.
+//! The owner's [`SharedMemory`] frees its segment on drop (peers keep their mappings valid).
+//! Every segment starts with a 64-byte header (magic, a random id, the size) that `get_shared`
+//! checks, so a stale record can never map the wrong memory.
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::shm::segment::Segment;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+const WIN_MAGIC: u64 = 0x6863_6f6d_6d77_696e; // "hcommwin"
+const WIN_HEADER: usize = 64;
+
+/// A shared segment: this rank's own ([`Communicator::alloc_shared`]) or a peer's
+/// ([`Communicator::get_shared`]).
+pub struct SharedMemory {
+    seg: Segment,
+    owner: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for SharedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMemory")
+            .field("owner", &self.owner)
+            .field("len", &self.len)
+            .field("path", &self.path())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("rank", &self.rank)
+            .field("parts", &self.parts)
+            .finish()
+    }
+}
+
+impl SharedMemory {
+    /// Usable bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when zero bytes were allocated.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The rank that allocated it.
+    pub fn owner(&self) -> usize {
+        self.owner
+    }
+
+    /// A path that maps the same memory (`/proc/<pid>/fd/<fd>` of the owner; the data start
+    /// 64 bytes in). Valid while the owner holds the segment.
+    pub fn path(&self) -> &str {
+        self.seg.name()
+    }
+
+    /// Byte offset of the data in the file at [`path`](Self::path).
+    pub fn data_offset(&self) -> usize {
+        WIN_HEADER
+    }
+
+    /// Address of the first data byte (for zero-copy views from other languages).
+    pub fn as_ptr(&self) -> *mut u8 {
+        // SAFETY: the header is inside the mapping (it is at least WIN_HEADER bytes long).
+        unsafe { self.seg.as_ptr().add(WIN_HEADER) }
+    }
+
+    /// Copy `src` into the segment at `offset`. Ranks sharing a segment order their accesses
+    /// themselves (e.g. with `signal` / `wait_signal` or a barrier).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: bounds checked; a copy of plain bytes into shared memory, whose ordering
+        // with other ranks is the caller's protocol.
+        unsafe { self.seg.write(WIN_HEADER + offset, src) };
+        Ok(())
+    }
+
+    /// Copy bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: as for `write`.
+        unsafe { self.seg.read(WIN_HEADER + offset, dst) };
+        Ok(())
+    }
+
+    /// The data as a slice.
+    ///
+    /// # Safety
+    /// No rank may write the segment while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: caller's obligation, see above.
+        unsafe { self.seg.bytes(WIN_HEADER, self.len) }
+    }
+
+    /// The data as a mutable slice.
+    ///
+    /// # Safety
+    /// No other rank may access the segment while the slice lives.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: caller's obligation, see above.
+        unsafe { self.seg.bytes_mut(WIN_HEADER, self.len) }
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::invalid(
+                "shared_memory",
+                0,
+                format!(
+                    "{len} bytes at offset {offset} do not fit in a {}-byte segment",
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Every local rank's part of a window ([`Communicator::alloc_window`]).
+pub struct Window {
+    parts: Vec<SharedMemory>,
+    rank: usize,
+}
+
+impl Window {
+    /// This rank's part.
+    pub fn local(&self) -> &SharedMemory {
+        &self.parts[self.rank]
+    }
+
+    /// Rank `r`'s part.
+    pub fn part(&self, r: usize) -> &SharedMemory {
+        &self.parts[r]
+    }
+
+    /// Number of parts (the communicator's size).
+    pub fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// True for an empty communicator (never).
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+}
+
+fn record(path: &str, id: u64, len: usize) -> Vec<u8> {
+    format!("{path} {id:x} {len}").into_bytes()
+}
+
+impl Communicator {
+    fn check_same_host(&self, op: &'static str, r: usize) -> Result<()> {
+        if r >= self.world_size() {
+            return Err(Error::invalid(
+                op,
+                0,
+                format!(
+                    "rank {r} is out of range for a communicator of {} ranks",
+                    self.world_size()
+                ),
+            ));
+        }
+        let (mine, theirs) = (self.host_id(), &self.host_ids()[r]);
+        if mine != theirs {
+            return Err(Error::invalid(op, 0, format!("rank {r} is on host '{theirs}', this rank on '{mine}': shared memory works only between ranks of one host")));
+        }
+        Ok(())
+    }
+
+    /// Allocate `bytes` of shared memory and publish it for the ranks of this host
+    /// (`AllocateSharedMemory`). Not collective.
+    pub fn alloc_shared(&self, bytes: usize) -> Result<SharedMemory> {
+        let seg = Segment::anonymous(WIN_HEADER + bytes).map_err(|e| {
+            Error::io(
+                crate::OpContext {
+                    op: "alloc_shared",
+                    seq: 0,
+                },
+                None,
+                e,
+            )
+        })?;
+        let id = crate::comm::random_u64();
+        seg.atomic_u64(8).store(id, Ordering::Relaxed);
+        seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
+        seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+        self.store_set(
+            &format!("{}/shared/{}", self.id(), self.rank()),
+            &record(seg.name(), id, bytes),
+        )?;
+        Ok(SharedMemory {
+            seg,
+            owner: self.rank(),
+            len: bytes,
+        })
+    }
+
+    /// Map the segment `src_rank` published with [`alloc_shared`](Self::alloc_shared)
+    /// (`GetSharedMemory`), waiting for it up to the timeout. Zero-copy, read-write.
+    pub fn get_shared(&self, src_rank: usize) -> Result<SharedMemory> {
+        self.check_same_host("get_shared", src_rank)?;
+        self.map_published(&format!("{}/shared/{src_rank}", self.id()), src_rank)
+    }
+
+    fn map_published(&self, key: &str, owner: usize) -> Result<SharedMemory> {
+        let ctx = crate::OpContext {
+            op: "get_shared",
+            seq: 0,
+        };
+        let deadline = Instant::now() + self.timeout();
+        loop {
+            let rec = self.store_get(key, deadline)?;
+            let text = String::from_utf8_lossy(&rec).into_owned();
+            let f: Vec<&str> = text.split(' ').collect();
+            let bad = || Error::Protocol {
+                ctx: ctx.clone(),
+                peer: owner,
+                msg: format!("bad shared memory record '{text}'"),
+            };
+            if f.len() != 3 {
+                return Err(bad());
+            }
+            let id = u64::from_str_radix(f[1], 16).map_err(|_| bad())?;
+            let len: usize = f[2].parse().map_err(|_| bad())?;
+            match Segment::open_path(f[0], WIN_HEADER + len) {
+                Ok(seg)
+                    if seg.atomic_u64(0).load(Ordering::Acquire) == WIN_MAGIC
+                        && seg.atomic_u64(8).load(Ordering::Relaxed) == id =>
+                {
+                    return Ok(SharedMemory { seg, owner, len });
+                }
+                // The record is stale (the owner freed that segment): wait for a new one.
+                _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(_) => {
+                    return Err(Error::PeerClosed {
+                        ctx,
+                        peer: owner,
+                        detail: format!("its shared memory {} was freed", f[0]),
+                    })
+                }
+                Err(e) => {
+                    return Err(Error::PeerClosed {
+                        ctx,
+                        peer: owner,
+                        detail: format!("cannot map its shared memory {}: {e}", f[0]),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Collective: every rank allocates `bytes` and maps every other rank's part. All ranks must
+    /// share a host.
+    pub fn alloc_window(&self, bytes: usize) -> Result<Window> {
+        for r in 0..self.world_size() {
+            self.check_same_host("alloc_window", r)?;
+        }
+        let n = self.next_window_number();
+        let seg = Segment::anonymous(WIN_HEADER + bytes).map_err(|e| {
+            Error::io(
+                crate::OpContext {
+                    op: "alloc_window",
+                    seq: 0,
+                },
+                None,
+                e,
+            )
+        })?;
+        let id = crate::comm::random_u64();
+        seg.atomic_u64(8).store(id, Ordering::Relaxed);
+        seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
+        seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+        self.store_set(
+            &format!("{}/window{n}/{}", self.id(), self.rank()),
+            &record(seg.name(), id, bytes),
+        )?;
+        let mut parts = Vec::with_capacity(self.world_size());
+        let mut mine = Some(SharedMemory {
+            seg,
+            owner: self.rank(),
+            len: bytes,
+        });
+        for r in 0..self.world_size() {
+            if r == self.rank() {
+                parts.push(mine.take().expect("own part"));
+            } else {
+                parts.push(self.map_published(&format!("{}/window{n}/{r}", self.id()), r)?);
+            }
+        }
+        // Nobody frees its part before everyone has mapped it.
+        self.barrier()?;
+        Ok(Window {
+            parts,
+            rank: self.rank(),
+        })
+    }
+}

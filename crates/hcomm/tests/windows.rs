@@ -1,0 +1,120 @@
+//! Shared memory between ranks (AllocateSharedMemory / GetSharedMemory / FreeSharedMemory and
+//! the collective window), ranks as threads.
+
+use hcomm::testing::{free_port, local_config, run_threads};
+use hcomm::{Communicator, Error};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(30);
+
+#[test]
+fn the_documented_example_rank0_allocates_rank1_maps_and_reads() {
+    let res = run_threads(2, T, |c| {
+        if c.rank() == 0 {
+            let shm = c.alloc_shared(4096)?;
+            let data: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
+            shm.write(0, &data)?;
+            c.signal(1, 7)?;
+            // Rank 1 writes back into the same memory; no copy on either side.
+            c.wait_signal(1, 8)?;
+            let mut back = [0u8; 4];
+            shm.read(100, &mut back)?;
+            assert_eq!(back, [9, 9, 9, 9]);
+            Ok(())
+        } else {
+            c.wait_signal(0, 7)?;
+            let shm = c.get_shared(0)?;
+            assert_eq!((shm.len(), shm.owner()), (4096, 0));
+            // SAFETY: rank 0 writes nothing until we signal.
+            let view = unsafe { shm.as_slice() };
+            assert!(view.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+            shm.write(100, &[9, 9, 9, 9])?;
+            c.signal(0, 8)?;
+            Ok(())
+        }
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn get_shared_waits_for_the_allocation_and_bounds_are_checked() {
+    let res = run_threads(2, T, |c| {
+        if c.rank() == 1 {
+            let shm = c.get_shared(0)?; // rank 0 allocates only after a while
+            let mut b = [0u8; 3];
+            shm.read(0, &mut b)?;
+            assert_eq!(&b, b"abc");
+            assert!(matches!(
+                shm.read(14, &mut [0u8; 3]),
+                Err(Error::InvalidArgument { .. })
+            ));
+            assert!(matches!(
+                shm.write(usize::MAX, &[1]),
+                Err(Error::InvalidArgument { .. })
+            ));
+            c.barrier()?;
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+            let shm = c.alloc_shared(16)?;
+            shm.write(0, b"abc")?;
+            c.barrier()?;
+        }
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn a_collective_window_maps_every_part() {
+    let res = run_threads(3, T, |c| {
+        let w = c.alloc_window(1024)?;
+        assert_eq!(w.len(), 3);
+        w.local().write(0, &[c.rank() as u8 + 1; 1024])?;
+        c.barrier()?;
+        for r in 0..3 {
+            let mut b = vec![0u8; 1024];
+            w.part(r).read(0, &mut b)?;
+            assert!(b.iter().all(|&x| x == r as u8 + 1), "part {r}");
+        }
+        c.barrier()?;
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn ranks_on_other_hosts_get_a_clear_error() {
+    let port = free_port();
+    let res: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                s.spawn(move || {
+                    let cfg = hcomm::BootstrapConfig {
+                        host_id: Some(format!("host-{r}")),
+                        ..local_config(r, 2, port, T)
+                    };
+                    let c = Communicator::from_config(&cfg)?;
+                    assert!(!c.has_shared_memory());
+                    let e = c.get_shared(1 - r).unwrap_err();
+                    let w = c.alloc_window(8).err();
+                    Ok::<_, Error>((e.to_string(), w.map(|e| e.to_string())))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in res {
+        let (e, w) = r.unwrap();
+        assert!(
+            e.contains("is on host") && e.contains("only between ranks of one host"),
+            "{e}"
+        );
+        assert!(w.is_some_and(|w| w.contains("only between ranks of one host")));
+    }
+}
