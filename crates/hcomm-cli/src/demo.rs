@@ -220,8 +220,13 @@ fn split_row(comm: &Communicator) -> Result<DemoRow> {
 }
 
 /// Print the table.
-pub fn print(rows: &[DemoRow], n: usize) {
-    println!("hcomm demo: {n} ranks on this host, TCP loopback; every result checked against a CPU reference");
+pub fn print(rows: &[DemoRow], n: usize, shared_memory: bool) {
+    let transport = if shared_memory {
+        "shared memory for collectives, TCP loopback for point-to-point"
+    } else {
+        "TCP loopback"
+    };
+    println!("hcomm demo: {n} ranks on this host, {transport}; every result checked against a CPU reference");
     println!(
         "{:<26} {:>10} {:>12} {:>9} {:>9} {:>14} {:>8}",
         "primitive", "bytes", "time (us)", "algbw", "busbw", "algorithm", "correct"

@@ -255,7 +255,7 @@ fn cmd_demo(a: DemoArgs) -> ExitCode {
     match demo::run(&comm, a.size, a.iters) {
         Ok(rows) => {
             if comm.rank() == 0 {
-                demo::print(&rows, comm.world_size());
+                demo::print(&rows, comm.world_size(), comm.has_shared_memory());
             }
             if rows.iter().all(|r| r.correct) {
                 ExitCode::SUCCESS
