@@ -7,15 +7,34 @@ use std::time::{Duration, Instant};
 
 /// Run `hcomm ARGS` and return (exit code, stdout, stderr); kill it after `limit`.
 fn hcomm(args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hcomm"))
-        .args(args)
-        .env_remove("HCOMM_RANK")
-        .env_remove("RANK")
+    hcomm_env(args, &[], limit)
+}
+
+/// As [`hcomm`], with extra environment (launcher variables are cleared first).
+fn hcomm_env(
+    args: &[&str],
+    env: &[(&str, String)],
+    limit: Duration,
+) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hcomm"));
+    cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    for v in [
+        "HCOMM_RANK",
+        "HCOMM_WORLD_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "HCOMM_MASTER_PORT",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(v);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
     let t_out = std::thread::spawn(move || {
@@ -201,45 +220,6 @@ fn bad_input_is_rejected_with_a_message() {
     let (code, _, err) = hcomm(&["bench", "allrdc", "-np", "2"], Duration::from_secs(30));
     assert_eq!(code, Some(2));
     assert!(err.contains("unknown operation"), "{err}");
-}
-
-fn hcomm_env(
-    args: &[&str],
-    env: &[(&str, String)],
-    limit: Duration,
-) -> (Option<i32>, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hcomm"));
-    cmd.args(args).stdin(Stdio::null());
-    for v in [
-        "HCOMM_RANK",
-        "HCOMM_WORLD_SIZE",
-        "RANK",
-        "WORLD_SIZE",
-        "HCOMM_MASTER_PORT",
-        "MASTER_PORT",
-    ] {
-        cmd.env_remove(v);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        start.elapsed() < limit,
-        "hcomm {args:?} took {:?}",
-        start.elapsed()
-    );
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[test]

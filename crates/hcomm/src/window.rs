@@ -161,6 +161,17 @@ impl Window {
     }
 }
 
+/// A new anonymous segment of `bytes` usable bytes with its header written; returns its id.
+fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
+    let seg = Segment::anonymous(WIN_HEADER + bytes)
+        .map_err(|e| Error::io(crate::OpContext { op, seq: 0 }, None, e))?;
+    let id = crate::comm::random_u64();
+    seg.atomic_u64(8).store(id, Ordering::Relaxed);
+    seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
+    seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+    Ok((seg, id))
+}
+
 fn record(path: &str, id: u64, len: usize) -> Vec<u8> {
     format!("{path} {id:x} {len}").into_bytes()
 }
@@ -187,20 +198,7 @@ impl Communicator {
     /// Allocate `bytes` of shared memory and publish it for the ranks of this host
     /// (`AllocateSharedMemory`). Not collective.
     pub fn alloc_shared(&self, bytes: usize) -> Result<SharedMemory> {
-        let seg = Segment::anonymous(WIN_HEADER + bytes).map_err(|e| {
-            Error::io(
-                crate::OpContext {
-                    op: "alloc_shared",
-                    seq: 0,
-                },
-                None,
-                e,
-            )
-        })?;
-        let id = crate::comm::random_u64();
-        seg.atomic_u64(8).store(id, Ordering::Relaxed);
-        seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
-        seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+        let (seg, id) = new_segment("alloc_shared", bytes)?;
         self.store_set(
             &format!("{}/shared/{}", self.id(), self.rank()),
             &record(seg.name(), id, bytes),
@@ -273,20 +271,7 @@ impl Communicator {
             self.check_same_host("alloc_window", r)?;
         }
         let n = self.next_window_number();
-        let seg = Segment::anonymous(WIN_HEADER + bytes).map_err(|e| {
-            Error::io(
-                crate::OpContext {
-                    op: "alloc_window",
-                    seq: 0,
-                },
-                None,
-                e,
-            )
-        })?;
-        let id = crate::comm::random_u64();
-        seg.atomic_u64(8).store(id, Ordering::Relaxed);
-        seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
-        seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+        let (seg, id) = new_segment("alloc_window", bytes)?;
         self.store_set(
             &format!("{}/window{n}/{}", self.id(), self.rank()),
             &record(seg.name(), id, bytes),

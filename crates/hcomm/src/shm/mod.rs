@@ -346,6 +346,39 @@ impl ShmGroup {
         self.verify(fp, w, describe)
     }
 
+    /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
+    fn phase_a(
+        &mut self,
+        first: &mut bool,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        if std::mem::take(first) {
+            self.first_barrier(fp, w, describe)
+        } else {
+            self.arrive_and_wait_all(w)
+        }
+    }
+
+    /// `acc = contribution(0) ⊕ contribution(1) ⊕ …` in rank order (bitwise identical results
+    /// on every rank, run after run).
+    fn reduce_in_rank_order<'c>(
+        n: usize,
+        acc: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        contribution: impl Fn(usize) -> &'c [u8],
+    ) {
+        for p in 0..n {
+            if p == 0 {
+                acc.copy_from_slice(contribution(0));
+            } else {
+                reduce_into(dtype, op, acc, contribution(p), Order::AccFirst);
+            }
+        }
+    }
+
     /// Barrier.
     pub fn barrier(
         &mut self,
@@ -388,16 +421,10 @@ impl ShmGroup {
             unsafe { self.seg.write(self.layout.slot(me, par, len), src) };
             self.first_barrier(fp, w, describe)?;
             if writes_out {
-                for p in 0..n {
-                    // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
-                    // not write it again before we arrive at the next call.
-                    let slot = unsafe { self.seg.bytes(self.layout.slot(p, par, len), len) };
-                    if p == 0 {
-                        out[..len].copy_from_slice(slot);
-                    } else {
-                        reduce_into(dtype, op, &mut out[..len], slot, Order::AccFirst);
-                    }
-                }
+                // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
+                // not write it again before we arrive at the next call.
+                let slot = |p: usize| unsafe { self.seg.bytes(self.layout.slot(p, par, len), len) };
+                Self::reduce_in_rank_order(n, &mut out[..len], dtype, op, slot);
                 if op == ReduceOp::Mean {
                     finalize_mean(dtype, out, n);
                 }
@@ -427,20 +454,15 @@ impl ShmGroup {
                     };
                 }
             }
-            if first {
-                self.first_barrier(fp, w, describe)?;
-                first = false;
-            } else {
-                self.arrive_and_wait_all(w)?;
-            }
+            self.phase_a(&mut first, fp, w, describe)?;
             // Reduce our slice, in rank order, into the shared result.
             let mine = segs[me].clone();
             let r_off = self.layout.result(par) + mine.start;
             // SAFETY: the result slice of rank `me` is written only by us between this step's
             // phase A and B; its readers (after phase B two steps ago) arrived at this step's A.
             let acc = unsafe { self.seg.bytes_mut(r_off, mine.len()) };
-            for p in 0..n {
-                let contribution: &[u8] = if p == me {
+            let contribution = |p: usize| -> &[u8] {
+                if p == me {
                     &inp[mine.clone()]
                 } else {
                     // SAFETY: published by p's phase-A arrival; p rewrites it only after our
@@ -449,13 +471,9 @@ impl ShmGroup {
                         self.seg
                             .bytes(self.layout.staging(p, par) + mine.start, mine.len())
                     }
-                };
-                if p == 0 {
-                    acc.copy_from_slice(contribution);
-                } else {
-                    reduce_into(dtype, op, acc, contribution, Order::AccFirst);
                 }
-            }
+            };
+            Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
             // Phase B: everyone's slice is reduced; copy the others' out.
             self.arrive_and_wait_all(w)?;
             if writes_out {
@@ -502,12 +520,7 @@ impl ShmGroup {
                         .write(self.layout.staging(root, par), &buf[o..o + l])
                 };
             }
-            if first {
-                self.first_barrier(fp, w, describe)?;
-                first = false;
-            } else {
-                self.arrive_and_wait_all(w)?;
-            }
+            self.phase_a(&mut first, fp, w, describe)?;
             if me != root {
                 // SAFETY: published by the root's arrival; rewritten only after our next one.
                 unsafe {
@@ -561,12 +574,7 @@ impl ShmGroup {
             };
             // SAFETY: staging (me, par) is ours (readers finished two steps ago).
             unsafe { self.seg.write(self.layout.staging(me, par), src) };
-            if first {
-                self.first_barrier(fp, w, describe)?;
-                first = false;
-            } else {
-                self.arrive_and_wait_all(w)?;
-            }
+            self.phase_a(&mut first, fp, w, describe)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
                     let l = b.saturating_sub(o).min(chunk);
@@ -635,33 +643,25 @@ impl ShmGroup {
                     };
                 }
             }
-            if first {
-                self.first_barrier(fp, w, describe)?;
-                first = false;
-            } else {
-                self.arrive_and_wait_all(w)?;
-            }
+            self.phase_a(&mut first, fp, w, describe)?;
             let l = blocks[me].saturating_sub(o).min(piece);
             if l > 0 {
                 let r_off = self.layout.result(par) + me * piece;
                 // SAFETY: our piece of the result area, ours between phases A and B.
                 let acc = unsafe { self.seg.bytes_mut(r_off, l) };
-                for p in 0..n {
-                    let contribution: &[u8] = if p == me {
-                        match input {
-                            Some(i) => &i[offs[me] + o..offs[me] + o + l],
-                            None => &out[offs[me] + o..offs[me] + o + l],
-                        }
+                let own: &[u8] = match input {
+                    Some(i) => &i[offs[me] + o..offs[me] + o + l],
+                    None => &out[offs[me] + o..offs[me] + o + l],
+                };
+                let contribution = |p: usize| -> &[u8] {
+                    if p == me {
+                        own
                     } else {
                         // SAFETY: published by p's phase-A arrival.
                         unsafe { self.seg.bytes(self.layout.staging(p, par) + me * piece, l) }
-                    };
-                    if p == 0 {
-                        acc.copy_from_slice(contribution);
-                    } else {
-                        reduce_into(dtype, op, acc, contribution, Order::AccFirst);
                     }
-                }
+                };
+                Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
                 let dst = match input {
                     Some(_) => &mut out[o..o + l],
                     None => &mut out[offs[me] + o..offs[me] + o + l],
