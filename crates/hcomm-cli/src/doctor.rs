@@ -151,7 +151,12 @@ pub fn local_checks(cfg: Option<&BootstrapConfig>, report: &mut Report) {
                 if cfg.rank == 0 {
                     check_port_free(addr, report);
                 } else {
-                    check_reachable(cfg.rank, addr, report);
+                    check_reachable(
+                        cfg.rank,
+                        addr,
+                        cfg.timeout.min(Duration::from_secs(5)),
+                        report,
+                    );
                 }
             }
         }
@@ -198,16 +203,42 @@ fn check_port_free(addr: SocketAddr, report: &mut Report) {
     }
 }
 
-fn check_reachable(rank: usize, addr: SocketAddr, report: &mut Report) {
+fn check_reachable(rank: usize, addr: SocketAddr, wait: Duration, report: &mut Report) {
+    // Rank 0 may not have opened the store yet: keep trying for a while, as bootstrap would.
     let t = Instant::now();
-    match TcpStream::connect_timeout(&addr, Duration::from_secs(3)) {
-        Ok(_) => report.add(Level::Ok, "master reachable", format!("connected to {addr} in {:.0} us", t.elapsed().as_secs_f64() * 1e6)),
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => report.add(
+    let last = loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(3)) {
+            Ok(_) => {
+                report.add(
+                    Level::Ok,
+                    "master reachable",
+                    format!(
+                        "connected to {addr} after {:.0} ms",
+                        t.elapsed().as_secs_f64() * 1e3
+                    ),
+                );
+                return;
+            }
+            Err(e) if t.elapsed() < wait && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => break e,
+        }
+    };
+    if last.kind() == std::io::ErrorKind::ConnectionRefused {
+        report.add(
             Level::Fail,
             "master reachable",
-            format!("rank {rank} cannot reach {addr}: connection refused (is rank 0 running, and is the port right?)"),
-        ),
-        Err(e) => report.add(Level::Fail, "master reachable", format!("rank {rank} cannot reach {addr}: {e} — firewall, or a wrong HCOMM_MASTER_ADDR?")),
+            format!("rank {rank} cannot reach {addr}: connection refused for {:.0} s (is rank 0 running, and is the port right?)", wait.as_secs_f64()),
+        );
+    } else {
+        report.add(
+            Level::Fail,
+            "master reachable",
+            format!(
+                "rank {rank} cannot reach {addr}: {last} — firewall, or a wrong HCOMM_MASTER_ADDR?"
+            ),
+        );
     }
 }
 
