@@ -393,6 +393,7 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         BenchOp::Coll(c) => comm.algorithm_for(c, shown).to_string(),
         BenchOp::SendRecv => "p2p".into(),
     };
+    let transport = if algo == "shm" { "shm" } else { "tcp" };
     Ok(Row {
         op: op.name().into(),
         ranks: n,
@@ -406,7 +407,7 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         },
         root: if op.rooted() { root as i64 } else { -1 },
         algo,
-        transport: "tcp".into(),
+        transport: transport.into(),
         time_us: per_call * 1e6,
         time_us_min: fastest * 1e6,
         iters,

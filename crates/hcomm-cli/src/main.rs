@@ -160,8 +160,8 @@ struct BenchArgs {
     /// Force an algorithm (ring, rd, tree, chain, …).
     #[arg(long, default_value = "auto")]
     algo: String,
-    /// Transport (tcp; shm arrives with the shared-memory transport).
-    #[arg(long, default_value = "tcp")]
+    /// Transport: auto (shared memory when all ranks share a host), tcp, shm.
+    #[arg(long, default_value = "auto")]
     transport: String,
     /// One JSON object per row instead of the table.
     #[arg(long)]
@@ -368,16 +368,28 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if a.transport != "tcp" {
-        hcomm_cli::say!(
-            "hcomm bench: transport '{}' is not available yet (tcp only)",
-            a.transport
-        );
-        return ExitCode::from(2);
-    }
-    let comm = match join() {
+    let transport: hcomm::config::TransportKind = match a.transport.parse() {
+        Ok(t) => t,
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench: --transport: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let comm = match hcomm::BootstrapConfig::from_env()
+        .map_err(hcomm::Error::from)
+        .and_then(|cfg| {
+            let cfg = if a.transport == "auto" {
+                cfg
+            } else {
+                hcomm::BootstrapConfig { transport, ..cfg }
+            };
+            Communicator::from_config(&cfg)
+        }) {
         Ok(c) => c,
-        Err(code) => return code,
+        Err(e) => {
+            hcomm_cli::say!("hcomm: cannot join the job: {e}");
+            return ExitCode::from(1);
+        }
     };
     if o.root >= comm.world_size() {
         hcomm_cli::say!(
