@@ -130,10 +130,11 @@ pub fn cases(o: &CheckOpts, n: usize) -> Vec<Case> {
 pub fn run(comm: &Communicator, o: &CheckOpts) -> Result<(usize, usize)> {
     let n = comm.world_size();
     let me = comm.rank();
-    let shm = comm.has_shared_memory();
+    // Only the algorithms this communicator's topology allows (shm: one host; hierarchical:
+    // several hosts of several ranks).
     let all: Vec<Case> = cases(o, n)
         .into_iter()
-        .filter(|c| shm || c.algo != Algo::Shm)
+        .filter(|c| comm.supports(c.algo))
         .collect();
     let mut failed_cases = 0usize;
     for case in &all {

@@ -71,6 +71,9 @@ impl Communicator {
             }
         }
         let n = self.world_size();
+        if self.algorithm_for(Collective::AllReduce, recv.len()) == Algo::Hierarchical {
+            return self.all_reduce_hierarchical(send, recv, dtype, op);
+        }
         self.collective(
             Collective::AllReduce,
             Some(dtype),
@@ -104,6 +107,40 @@ impl Communicator {
                 Ok(())
             },
         )?;
+        self.inject_fault(recv);
+        Ok(())
+    }
+
+    /// Hierarchical all-reduce: reduce-scatter within the host, all-reduce of this rank's
+    /// slice with the same-index ranks of the other hosts, all-gather within the host.
+    fn all_reduce_hierarchical(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let h = self.hierarchy()?;
+        if let Some(s) = send {
+            recv.copy_from_slice(s);
+        }
+        let inner_op = if op == ReduceOp::Mean {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        let l = h.within.world_size();
+        let segs = even_segments(recv.len() / dtype.size(), l, dtype.size());
+        let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
+        let mine = segs[h.within.rank()].clone();
+        h.within
+            .reduce_scatter_v_bytes(None, recv, &counts, dtype, inner_op)?;
+        h.across
+            .all_reduce_bytes(None, &mut recv[mine], dtype, inner_op)?;
+        h.within.all_gather_v_bytes(None, recv, &counts, dtype)?;
+        if op == ReduceOp::Mean {
+            finalize_mean(dtype, recv, self.world_size());
+        }
         self.inject_fault(recv);
         Ok(())
     }

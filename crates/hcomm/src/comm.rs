@@ -89,7 +89,12 @@ impl Collective {
     /// The algorithms this collective can run with (first = default family).
     pub fn algorithms(self) -> &'static [Algo] {
         match self {
-            Collective::AllReduce => &[Algo::Ring, Algo::RecursiveDoubling, Algo::Shm],
+            Collective::AllReduce => &[
+                Algo::Ring,
+                Algo::RecursiveDoubling,
+                Algo::Shm,
+                Algo::Hierarchical,
+            ],
             Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Shm],
             Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm],
             Collective::Gather => &[Algo::Linear, Algo::Shm],
@@ -152,6 +157,8 @@ pub struct Thresholds {
     pub allreduce_rd_max: usize,
     /// Broadcast / reduce: binomial tree up to this size, pipelined chain above.
     pub tree_max: usize,
+    /// All-reduce across several hosts with several ranks each: hierarchical from this size.
+    pub hierarchical_min: usize,
 }
 
 impl Default for Thresholds {
@@ -159,6 +166,7 @@ impl Default for Thresholds {
         Thresholds {
             allreduce_rd_max: 64 << 10,
             tree_max: 64 << 10,
+            hierarchical_min: 2 << 20,
         }
     }
 }
@@ -258,6 +266,8 @@ pub struct Communicator {
     store: Mutex<Option<StoreClient>>,
     /// Collective window allocations so far.
     windows: std::sync::atomic::AtomicU64,
+    /// Sub-communicators of the hierarchical all-reduce (made on first use).
+    hierarchy: Mutex<Option<Arc<Hierarchy>>>,
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
@@ -496,6 +506,7 @@ impl Communicator {
             shm_bytes,
             store: Mutex::new(None),
             windows: std::sync::atomic::AtomicU64::new(0),
+            hierarchy: Mutex::new(None),
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
         })
     }
@@ -546,6 +557,51 @@ impl Communicator {
             .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
+    /// (host index, index within the host, ranks per host) of this rank when the ranks form at
+    /// least 2 hosts of L ≥ 2 ranks each (hosts numbered by their lowest rank).
+    pub(crate) fn hierarchical_layout(&self) -> Option<(usize, usize, usize)> {
+        let mut hosts: Vec<&String> = Vec::new();
+        for h in &self.hosts {
+            if !hosts.contains(&h) {
+                hosts.push(h);
+            }
+        }
+        let per = self.size / hosts.len().max(1);
+        if hosts.len() < 2
+            || per < 2
+            || hosts
+                .iter()
+                .any(|h| self.hosts.iter().filter(|x| x == h).count() != per)
+        {
+            return None;
+        }
+        let host = hosts.iter().position(|h| **h == self.host_id)?;
+        let local = (0..self.rank)
+            .filter(|&r| self.hosts[r] == self.host_id)
+            .count();
+        Some((host, local, per))
+    }
+
+    /// The hierarchy's sub-communicators, made on first use (a collective call: every rank
+    /// reaches it in the same all-reduce).
+    pub(crate) fn hierarchy(&self) -> Result<Arc<Hierarchy>> {
+        if let Some(h) = self.hierarchy.lock().unwrap().as_ref() {
+            return Ok(h.clone());
+        }
+        let (host, local, _) = self
+            .hierarchical_layout()
+            .ok_or_else(|| Error::invalid("all_reduce", 0, "no hierarchical layout"))?;
+        let within = self
+            .split(Some(host as u32), self.rank as i64)?
+            .expect("member");
+        let across = self
+            .split(Some(local as u32), self.rank as i64)?
+            .expect("member");
+        let h = Arc::new(Hierarchy { within, across });
+        *self.hierarchy.lock().unwrap() = Some(h.clone());
+        Ok(h)
+    }
+
     pub(crate) fn next_window_number(&self) -> u64 {
         self.windows.fetch_add(1, Ordering::Relaxed)
     }
@@ -585,6 +641,16 @@ impl Communicator {
         })
     }
 
+    /// Whether `algo` can run on this communicator (shared memory needs one host; hierarchical
+    /// needs several hosts with the same number of ranks each).
+    pub fn supports(&self, algo: Algo) -> bool {
+        match algo {
+            Algo::Shm => self.shm_bytes > 0,
+            Algo::Hierarchical => self.hierarchical_layout().is_some(),
+            _ => true,
+        }
+    }
+
     /// True when this communicator's ranks share a host and use shared memory.
     pub fn has_shared_memory(&self) -> bool {
         self.shm_bytes > 0
@@ -597,6 +663,13 @@ impl Communicator {
 
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice).
     pub fn set_algorithm(&self, coll: Collective, algo: Algo) -> Result<()> {
+        if algo == Algo::Hierarchical && self.hierarchical_layout().is_none() {
+            return Err(Error::invalid(
+                "set_algorithm",
+                0,
+                "hierarchical all-reduce needs at least 2 hosts with the same number (at least 2) of ranks each",
+            ));
+        }
         if algo == Algo::Shm && self.shm_bytes == 0 {
             return Err(Error::invalid(
                 "set_algorithm",
@@ -658,8 +731,19 @@ impl Communicator {
     }
 
     fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {
-        if forced != Algo::Auto && (forced != Algo::Shm || self.shm_bytes > 0) {
+        let available = match forced {
+            Algo::Shm => self.shm_bytes > 0,
+            Algo::Hierarchical => self.hierarchical_layout().is_some(),
+            _ => true,
+        };
+        if forced != Algo::Auto && available {
             return forced;
+        }
+        if coll == Collective::AllReduce
+            && bytes >= self.thresholds.hierarchical_min
+            && self.hierarchical_layout().is_some()
+        {
+            return Algo::Hierarchical;
         }
         if self.shm_bytes > 0 && coll.algorithms().contains(&Algo::Shm) {
             return Algo::Shm;
@@ -1345,6 +1429,14 @@ fn setup_shm(
         );
     }
     Ok(group)
+}
+
+/// Sub-communicators of the hierarchical all-reduce.
+pub(crate) struct Hierarchy {
+    /// The ranks of this host (shared memory).
+    pub within: Communicator,
+    /// The ranks with this rank's index on every host (TCP).
+    pub across: Communicator,
 }
 
 struct BuildArgs {

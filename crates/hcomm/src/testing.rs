@@ -65,6 +65,39 @@ where
     })
 }
 
+/// Like [`run_threads`], with rank `r` claiming to be on host `hosts[r]` (as `HCOMM_HOST_ID`
+/// would), to test multi-host algorithms on one machine.
+pub fn run_threads_on_hosts<R, F>(hosts: &[&str], timeout: Duration, f: F) -> Vec<Result<R>>
+where
+    R: Send,
+    F: Fn(Communicator) -> Result<R> + Sync,
+{
+    let port = free_port();
+    let n = hosts.len();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                let host = hosts[r].to_string();
+                s.spawn(move || {
+                    let local: Vec<usize> = (0..n).filter(|&q| hosts[q] == host).collect();
+                    let cfg = BootstrapConfig {
+                        host_id: Some(host.clone()),
+                        local_rank: local.iter().position(|&q| q == r),
+                        local_world_size: Some(local.len()),
+                        ..local_config(r, n, port, timeout)
+                    };
+                    Communicator::from_config(&cfg).and_then(f)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
 /// Value (as f64) of element `i` of rank `rank`'s input for a test with `seed`.
 pub fn input_value(dtype: DType, op: ReduceOp, rank: usize, i: usize, seed: u64) -> f64 {
     let h = (i as u64)

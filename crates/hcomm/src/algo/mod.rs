@@ -41,6 +41,10 @@ pub enum Algo {
     Dissemination,
     /// Shared memory: every rank works directly on a segment mapped by all ranks of the host.
     Shm,
+    /// Several hosts with several ranks each: reduce-scatter within each host (shared memory),
+    /// all-reduce of each slice across hosts (TCP, all slices in parallel), all-gather within
+    /// each host. Only `1/L` of the data crosses the network per rank (L ranks per host).
+    Hierarchical,
 }
 
 impl Algo {
@@ -56,6 +60,7 @@ impl Algo {
             Algo::Pairwise => 6,
             Algo::Dissemination => 7,
             Algo::Shm => 8,
+            Algo::Hierarchical => 9,
         }
     }
 
@@ -87,6 +92,7 @@ impl Algo {
             Algo::Pairwise => "pairwise",
             Algo::Dissemination => "dissemination",
             Algo::Shm => "shm",
+            Algo::Hierarchical => "hierarchical",
         }
     }
 }
@@ -110,9 +116,10 @@ impl FromStr for Algo {
             "pairwise" => Algo::Pairwise,
             "dissemination" => Algo::Dissemination,
             "shm" | "shared_memory" => Algo::Shm,
+            "hier" | "hierarchical" => Algo::Hierarchical,
             other => {
                 return Err(format!(
-                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm)"
+                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm, hierarchical)"
                 ))
             }
         })
