@@ -744,7 +744,28 @@ impl Communicator {
             Some(root),
             if uniform { rc } else { total },
             recv.len(),
-            |run, _| basic::scatter_linear(run, send, recv, &segs, root),
+            |run, algo| {
+                if algo == Algo::Shm {
+                    let blocks: Vec<(usize, usize)> =
+                        segs.iter().map(|s| (s.start, s.len())).collect();
+                    let mut from = vec![(0, 0); n];
+                    from[root] = (0, recv.len());
+                    let longest = blocks.iter().map(|b| b.1).max().unwrap_or(0);
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_to_all(
+                        send,
+                        &blocks,
+                        recv,
+                        &from,
+                        longest,
+                        Some(root),
+                        fp,
+                        &w,
+                        &describe_shm_word,
+                    );
+                }
+                basic::scatter_linear(run, send, recv, &segs, root)
+            },
         )?;
         self.inject_fault(recv);
         Ok(())
@@ -853,7 +874,27 @@ impl Communicator {
             None,
             fp_count,
             send.len(),
-            |run, _| basic::all_to_all_pairwise(run, send, &ss, recv, &rs),
+            |run, algo| {
+                // Shared memory needs every block length known to every rank: equal blocks only.
+                if algo == Algo::Shm && fp_count != 0 {
+                    let to: Vec<(usize, usize)> = ss.iter().map(|s| (s.start, s.len())).collect();
+                    let from: Vec<(usize, usize)> = rs.iter().map(|s| (s.start, s.len())).collect();
+                    let longest = to.iter().map(|b| b.1).max().unwrap_or(0);
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_to_all(
+                        send,
+                        &to,
+                        recv,
+                        &from,
+                        longest,
+                        None,
+                        fp,
+                        &w,
+                        &describe_shm_word,
+                    );
+                }
+                basic::all_to_all_pairwise(run, send, &ss, recv, &rs)
+            },
         )?;
         self.inject_fault(recv);
         Ok(())

@@ -98,8 +98,8 @@ impl Collective {
             Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Shm],
             Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm],
             Collective::Gather => &[Algo::Linear, Algo::Shm],
-            Collective::Scatter => &[Algo::Linear],
-            Collective::AllToAll => &[Algo::Pairwise],
+            Collective::Scatter => &[Algo::Linear, Algo::Shm],
+            Collective::AllToAll => &[Algo::Pairwise, Algo::Shm],
             Collective::Barrier => &[Algo::Dissemination, Algo::Shm],
         }
     }

@@ -682,4 +682,66 @@ impl ShmGroup {
         }
         Ok(())
     }
+
+    /// Scatter (`root = Some(r)`: only `r` sends) or all-to-all (`root = None`): block `p` of
+    /// `input` (`send[p]` = (offset, len) in bytes) goes to rank `p`, and the block from rank `q`
+    /// lands at `recv[q]` = (offset, len) of `out`. Every block length must be known to every
+    /// rank (equal blocks, or the scatter's counts), so that all ranks run the same steps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all(
+        &mut self,
+        input: &[u8],
+        send: &[(usize, usize)],
+        out: &mut [u8],
+        recv: &[(usize, usize)],
+        longest: usize,
+        root: Option<usize>,
+        fp: Fingerprint,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let piece = (self.layout.chunk / n).max(1);
+        let mut first = true;
+        let mut o = 0;
+        loop {
+            let par = (self.steps % 2) as usize;
+            self.steps += 1;
+            if root.is_none_or(|r| r == me) {
+                for (p, &(off, len)) in send.iter().enumerate() {
+                    let l = len.saturating_sub(o).min(piece);
+                    if l > 0 {
+                        // SAFETY: staging (me, par) is ours (readers finished two steps ago).
+                        unsafe {
+                            self.seg.write(
+                                self.layout.staging(me, par) + p * piece,
+                                &input[off + o..off + o + l],
+                            )
+                        };
+                    }
+                }
+            }
+            self.phase_a(&mut first, fp, w, describe)?;
+            for (q, &(off, len)) in recv.iter().enumerate() {
+                let l = len.saturating_sub(o).min(piece);
+                let src = root.unwrap_or(q);
+                if l > 0 && root.is_none_or(|r| q == r) {
+                    // SAFETY: published by the sender's phase-A arrival; rewritten only after our
+                    // phase-B arrival.
+                    unsafe {
+                        self.seg.read(
+                            self.layout.staging(src, par) + me * piece,
+                            &mut out[off + o..off + o + l],
+                        )
+                    };
+                }
+            }
+            self.arrive_and_wait_all(w)?;
+            o += piece;
+            if o >= longest {
+                return Ok(());
+            }
+        }
+    }
 }
