@@ -507,6 +507,22 @@ impl ShmGroup {
         describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let me = self.rank;
+        if buf.len() <= SMALL {
+            // One shot: the root publishes its slot, everyone copies it after one barrier.
+            let par = (self.calls % 2) as usize;
+            self.calls += 1;
+            let len = buf.len();
+            if me == root {
+                // SAFETY: slot (root, par) is ours (see all_reduce's one-shot path).
+                unsafe { self.seg.write(self.layout.slot(root, par, len), buf) };
+            }
+            self.first_barrier(fp, w, describe)?;
+            if me != root {
+                // SAFETY: published by the root's arrival; rewritten two calls later at the earliest.
+                unsafe { self.seg.read(self.layout.slot(root, par, len), buf) };
+            }
+            return Ok(());
+        }
         let mut first = true;
         let mut o = 0;
         loop {
@@ -561,6 +577,33 @@ impl ShmGroup {
             .collect();
         let longest = blocks.iter().copied().max().unwrap_or(0);
         let writes_out = root.is_none_or(|r| r == me);
+        if longest <= SMALL {
+            // One shot: every rank publishes its block in its slot; one barrier; read them all.
+            let par = (self.calls % 2) as usize;
+            self.calls += 1;
+            let src: &[u8] = match input {
+                Some(i) => i,
+                None => &out[offs[me]..offs[me] + blocks[me]],
+            };
+            // SAFETY: slot (me, par) is ours (see all_reduce's one-shot path).
+            unsafe { self.seg.write(self.layout.slot(me, par, longest), src) };
+            self.first_barrier(fp, w, describe)?;
+            if writes_out {
+                for (p, &b) in blocks.iter().enumerate() {
+                    if p == me && input.is_none() {
+                        continue;
+                    }
+                    // SAFETY: published by p's arrival; rewritten two calls later at the earliest.
+                    unsafe {
+                        self.seg.read(
+                            self.layout.slot(p, par, longest),
+                            &mut out[offs[p]..offs[p] + b],
+                        )
+                    };
+                }
+            }
+            return Ok(());
+        }
         let chunk = self.layout.chunk;
         let mut first = true;
         let mut o = 0;
