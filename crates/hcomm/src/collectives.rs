@@ -10,6 +10,13 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::finalize_mean;
 
+/// Hash of per-rank block sizes: part of the shared-memory fingerprint of the v-variants.
+fn counts_hash(blocks: &[usize]) -> u64 {
+    blocks.iter().fold(0x9e3779b97f4a7c15u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3).rotate_left(23)
+    })
+}
+
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
     bytemuck::cast_slice(s)
 }
@@ -121,26 +128,36 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let h = self.hierarchy()?;
-        if let Some(s) = send {
-            recv.copy_from_slice(s);
-        }
-        let inner_op = if op == ReduceOp::Mean {
-            ReduceOp::Sum
-        } else {
-            op
-        };
-        let l = h.within.world_size();
-        let segs = even_segments(recv.len() / dtype.size(), l, dtype.size());
-        let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
-        let mine = segs[h.within.rank()].clone();
-        h.within
-            .reduce_scatter_v_bytes(None, recv, &counts, dtype, inner_op)?;
-        h.across
-            .all_reduce_bytes(None, &mut recv[mine], dtype, inner_op)?;
-        h.within.all_gather_v_bytes(None, recv, &counts, dtype)?;
-        if op == ReduceOp::Mean {
-            finalize_mean(dtype, recv, self.world_size());
-        }
+        // The parent's lock: abort and poisoning apply, calls stay serialised, a failure poisons.
+        let (mut inner, _ctx) = self.lock("all_reduce")?;
+        let result = (|| {
+            for c in [&h.within, &h.across] {
+                c.set_timeout(self.timeout());
+            }
+            if let Some(s) = send {
+                recv.copy_from_slice(s);
+            }
+            let inner_op = if op == ReduceOp::Mean {
+                ReduceOp::Sum
+            } else {
+                op
+            };
+            let l = h.within.world_size();
+            let segs = even_segments(recv.len() / dtype.size(), l, dtype.size());
+            let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
+            let mine = segs[h.within.rank()].clone();
+            h.within
+                .reduce_scatter_v_bytes(None, recv, &counts, dtype, inner_op)?;
+            h.across
+                .all_reduce_bytes(None, &mut recv[mine], dtype, inner_op)?;
+            h.within.all_gather_v_bytes(None, recv, &counts, dtype)?;
+            if op == ReduceOp::Mean {
+                finalize_mean(dtype, recv, self.world_size());
+            }
+            Ok(())
+        })();
+        Self::finish_collective(&mut inner, result)?;
+        drop(inner);
         self.inject_fault(recv);
         Ok(())
     }
@@ -190,6 +207,17 @@ impl Communicator {
         counts: &[usize],
         dtype: DType,
     ) -> Result<()> {
+        self.all_gather_v_inner(send, recv, counts, dtype, true)
+    }
+
+    pub(crate) fn all_gather_v_inner(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        inject: bool,
+    ) -> Result<()> {
         const OP: &str = "all_gather";
         let n = self.world_size();
         if counts.len() != n {
@@ -235,6 +263,7 @@ impl Communicator {
             |run, algo| {
                 if algo == Algo::Shm {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
                     return g.all_gather(send, recv, &blocks, None, fp, &w, &describe_shm_word);
                 }
@@ -247,7 +276,9 @@ impl Communicator {
                 Ok(())
             },
         )?;
-        self.inject_fault(recv);
+        if inject {
+            self.inject_fault(recv);
+        }
         Ok(())
     }
 
@@ -375,6 +406,7 @@ impl Communicator {
             |run, algo| {
                 if algo == Algo::Shm {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
                     return g.reduce_scatter(
                         send,
@@ -579,7 +611,9 @@ impl Communicator {
                 Ok(())
             },
         )?;
-        self.inject_fault(recv);
+        if me == root {
+            self.inject_fault(recv);
+        }
         Ok(())
     }
 
@@ -657,6 +691,7 @@ impl Communicator {
             |run, algo| {
                 if algo == Algo::Shm {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
+                    run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
                     return g.all_gather(
                         Some(send),

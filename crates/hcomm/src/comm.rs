@@ -220,7 +220,7 @@ pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
     Ok(map)
 }
 
-struct Inner {
+pub(crate) struct Inner {
     links: TcpLinks,
     seq: u64,
     poisoned: Option<String>,
@@ -267,6 +267,7 @@ pub struct Communicator {
     /// Collective window allocations so far.
     windows: std::sync::atomic::AtomicU64,
     /// Sub-communicators of the hierarchical all-reduce (made on first use).
+    /// (Also the lock that serialises creating them.)
     hierarchy: Mutex<Option<Arc<Hierarchy>>>,
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
@@ -585,20 +586,26 @@ impl Communicator {
     /// The hierarchy's sub-communicators, made on first use (a collective call: every rank
     /// reaches it in the same all-reduce).
     pub(crate) fn hierarchy(&self) -> Result<Arc<Hierarchy>> {
-        if let Some(h) = self.hierarchy.lock().unwrap().as_ref() {
+        // Held while creating, so that two threads cannot both create (the splits are
+        // collective and must happen exactly once on every rank).
+        let mut guard = self.hierarchy.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = guard.as_ref() {
             return Ok(h.clone());
         }
         let (host, local, _) = self
             .hierarchical_layout()
             .ok_or_else(|| Error::invalid("all_reduce", 0, "no hierarchical layout"))?;
-        let within = self
+        let mut within = self
             .split(Some(host as u32), self.rank as i64)?
             .expect("member");
-        let across = self
+        let mut across = self
             .split(Some(local as u32), self.rank as i64)?
             .expect("member");
+        // Internal communicators: the fault-injection hook applies to the user's calls only.
+        within.corrupt_results = false;
+        across.corrupt_results = false;
         let h = Arc::new(Hierarchy { within, across });
-        *self.hierarchy.lock().unwrap() = Some(h.clone());
+        *guard = Some(h.clone());
         Ok(h)
     }
 
@@ -625,9 +632,14 @@ impl Communicator {
         self.with_store(|s| s.set(key, value))
     }
 
+    /// A blocking get on a connection of its own (so it never holds up other threads' store
+    /// requests, which it may be waiting for).
     pub(crate) fn store_get(&self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
         let left = deadline.saturating_duration_since(Instant::now());
-        self.with_store(|s| s.get(key, left)).map_err(|e| match e {
+        let got = StoreClient::connect(&self.store_addr, left.max(Duration::from_millis(10)))
+            .and_then(|mut s| s.get(key, left))
+            .map_err(|e| Error::Config(format!("rendezvous store: {e}")));
+        got.map_err(|e| match e {
             Error::Config(m) if m.contains("timed out") => Error::Timeout {
                 ctx: OpContext {
                     op: "get_shared",
@@ -692,6 +704,13 @@ impl Communicator {
     /// Safe to call from another thread.
     pub fn abort(&self) {
         self.aborted.store(true, Ordering::SeqCst);
+        // Internal sub-communicators (hierarchical all-reduce) stop too.
+        if let Ok(guard) = self.hierarchy.try_lock() {
+            if let Some(h) = guard.as_ref() {
+                h.within.abort();
+                h.across.abort();
+            }
+        }
     }
 
     /// Number of open TCP links (both directions), for resource accounting.
@@ -701,7 +720,7 @@ impl Communicator {
 
     // ----- plumbing shared by every operation -----
 
-    fn lock(&self, op: &'static str) -> Result<(MutexGuard<'_, Inner>, OpContext)> {
+    pub(crate) fn lock(&self, op: &'static str) -> Result<(MutexGuard<'_, Inner>, OpContext)> {
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let ctx = OpContext { op, seq: inner.seq };
         if self.aborted.load(Ordering::SeqCst) {
@@ -714,6 +733,14 @@ impl Communicator {
             });
         }
         Ok((inner, ctx))
+    }
+
+    /// [`finish`](Self::finish) for a collective run outside `collective()`.
+    pub(crate) fn finish_collective<T>(
+        inner: &mut MutexGuard<'_, Inner>,
+        r: Result<T>,
+    ) -> Result<T> {
+        Self::finish(inner, true, r)
     }
 
     /// Account for a finished operation: collectives advance the sequence number (which every
@@ -861,6 +888,7 @@ impl Communicator {
                 deadline,
                 timeout,
                 shm: inner.shm.as_mut(),
+                fp_extra: 0,
             };
             body(&mut run, algo)
         };
@@ -1065,7 +1093,15 @@ impl Communicator {
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let mine = [color.map_or(-1i64, |c| c as i64), key];
         let mut all = vec![0i64; 2 * self.size];
-        self.all_gather(&mine, &mut all)?;
+        // Internal: never subject to the fault-injection hook.
+        let counts = vec![2; self.size];
+        self.all_gather_v_inner(
+            Some(bytemuck::cast_slice(&mine)),
+            bytemuck::cast_slice_mut(&mut all),
+            &counts,
+            DType::I64,
+            false,
+        )?;
         let split_no = {
             let mut inner = self.inner.lock().unwrap();
             inner.splits += 1;
@@ -1345,22 +1381,25 @@ fn setup_shm(
         );
         match ShmGroup::create(&name, layout, 0, policy, abort) {
             Ok(g) => {
-                store
-                    .set(&key, format!("{name} {}", layout.chunk).as_bytes())
-                    .map_err(serr)?;
-                // Wait for every rank's vote (1 = attached, 1000 = failed), then unlink the
-                // name whatever the votes say.
-                let ok = loop {
-                    let v = store.add(&votes, 0).map_err(serr)?;
-                    if v % 1000 + v / 1000 >= size as i64 - 1 {
-                        break v / 1000 == 0;
+                // Whatever happens below (store errors included), the name is unlinked.
+                let votes_in = (|| -> Result<bool> {
+                    store
+                        .set(&key, format!("{name} {}", layout.chunk).as_bytes())
+                        .map_err(serr)?;
+                    // Every rank votes: 1 = attached, 1000 = failed.
+                    loop {
+                        let v = store.add(&votes, 0).map_err(serr)?;
+                        if v % 1000 + v / 1000 >= size as i64 - 1 {
+                            return Ok(v / 1000 == 0);
+                        }
+                        if left().is_zero() {
+                            return Ok(false);
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
                     }
-                    if left().is_zero() {
-                        break false;
-                    }
-                    std::thread::sleep(Duration::from_micros(200));
-                };
+                })();
                 let _ = g.unlink();
+                let ok = votes_in?;
                 store
                     .set(&verdict_key, if ok { b"1" } else { b"0" })
                     .map_err(serr)?;

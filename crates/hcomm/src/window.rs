@@ -237,27 +237,38 @@ impl Communicator {
             }
             let id = u64::from_str_radix(f[1], 16).map_err(|_| bad())?;
             let len: usize = f[2].parse().map_err(|_| bad())?;
-            match Segment::open_path(f[0], WIN_HEADER + len) {
-                Ok(seg)
+            // The record names another process's fd: it must still be our memfd (an fd number
+            // can be reused for anything once the owner freed the segment).
+            let path = f[0];
+            let pid_dir = path.rsplitn(3, '/').nth(2).unwrap_or("");
+            if !pid_dir.is_empty() && !std::path::Path::new(pid_dir).exists() {
+                return Err(Error::PeerClosed {
+                    ctx,
+                    peer: owner,
+                    detail: format!("its process ({pid_dir}) is gone"),
+                });
+            }
+            let is_ours = std::fs::read_link(path)
+                .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:hcomm-window"));
+            let mapped = if is_ours {
+                Segment::open_path(path, WIN_HEADER + len).ok()
+            } else {
+                None
+            };
+            match mapped {
+                Some(seg)
                     if seg.atomic_u64(0).load(Ordering::Acquire) == WIN_MAGIC
                         && seg.atomic_u64(8).load(Ordering::Relaxed) == id =>
                 {
                     return Ok(SharedMemory { seg, owner, len });
                 }
-                // The record is stale (the owner freed that segment): wait for a new one.
+                // Stale (the owner freed that segment): wait for a new record.
                 _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                Ok(_) => {
+                _ => {
                     return Err(Error::PeerClosed {
                         ctx,
                         peer: owner,
-                        detail: format!("its shared memory {} was freed", f[0]),
-                    })
-                }
-                Err(e) => {
-                    return Err(Error::PeerClosed {
-                        ctx,
-                        peer: owner,
-                        detail: format!("cannot map its shared memory {}: {e}", f[0]),
+                        detail: format!("its shared memory {path} was freed"),
                     })
                 }
             }

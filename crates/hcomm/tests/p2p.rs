@@ -481,3 +481,73 @@ fn ranks_with_different_algorithms_fail_at_once_naming_them() {
         "{msgs:?}"
     );
 }
+
+#[test]
+fn back_to_back_one_phase_collectives_never_report_false_mismatches() {
+    // Review finding: a peer already in the next collective must not be read as a mismatch.
+    all_ok(run_threads(4, T, |c| {
+        let mut b = [0u8; 16];
+        for i in 0..2000u32 {
+            c.barrier()?;
+            b[0] = i as u8;
+            c.broadcast(&mut b, (i % 4) as usize)?;
+            let mut v = [1, i];
+            c.all_reduce_in_place(&mut v, ReduceOp::Max)?;
+            assert_eq!(v, [1, i]);
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn v_variants_with_different_counts_arrays_fail_instead_of_corrupting() {
+    // Review finding: same total, different per-rank counts must be a mismatch on every path.
+    let res = run_threads(2, T, |c| {
+        let counts = if c.rank() == 0 {
+            [1usize, 5000]
+        } else {
+            [2500, 2501]
+        };
+        let mine = vec![c.rank() as u8; counts[c.rank()]];
+        let mut all = vec![0u8; 5001];
+        Ok(c.all_gather_v(&mine, &mut all, &counts)
+            .err()
+            .map(|e| e.to_string()))
+    });
+    for r in res {
+        let e = r.unwrap().expect("must fail");
+        assert!(e.contains("mismatch"), "{e}");
+    }
+}
+
+#[test]
+fn counts_that_differ_beyond_24_bits_are_a_mismatch() {
+    let res = run_threads(2, T, |c| {
+        let n = if c.rank() == 0 { 100 } else { 100 + (1 << 24) };
+        let mut v = vec![1u8; n];
+        Ok(c.all_reduce_in_place(&mut v, ReduceOp::Sum)
+            .err()
+            .map(|e| e.to_string()))
+    });
+    for r in res {
+        let e = r.unwrap().expect("must fail");
+        assert!(e.contains("mismatch") || e.contains("timed out"), "{e}");
+    }
+}
+
+#[test]
+fn abort_and_poisoning_reach_the_hierarchical_path() {
+    let res = hcomm::testing::run_threads_on_hosts(&["a", "a", "b", "b"], T, |c| {
+        let mut v = vec![1f32; 1 << 20];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(
+            c.algorithm_for(hcomm::Collective::AllReduce, v.len() * 4),
+            hcomm::Algo::Hierarchical
+        );
+        c.abort();
+        Ok(c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err())
+    });
+    for r in res {
+        assert!(matches!(r.unwrap(), Error::Aborted { .. }));
+    }
+}

@@ -145,6 +145,8 @@ pub struct Run<'a> {
     pub timeout: std::time::Duration,
     /// The shared-memory group, when every rank shares this host.
     pub shm: Option<&'a mut crate::shm::ShmGroup>,
+    /// Extra fingerprint (e.g. a hash of per-rank counts) that must agree on every rank.
+    pub fp_extra: u64,
 }
 
 impl Run<'_> {
@@ -156,7 +158,13 @@ impl Run<'_> {
         crate::shm::WaitCtx<'_>,
         crate::shm::Fingerprint,
     ) {
+        let detail = [self.fp.count, self.fp.algo as u64, self.fp_extra]
+            .iter()
+            .fold(0xcbf29ce484222325u64, |h, v| {
+                (h ^ v).wrapping_mul(0x100000001b3).rotate_left(17)
+            });
         let fp = crate::shm::Fingerprint {
+            detail,
             seq: self.fp.seq,
             word: (self.fp.coll as u64)
                 | (self.fp.dtype as u64) << 8

@@ -33,12 +33,15 @@ pub const DEFAULT_CHUNK: usize = 512 << 10;
 const CTR: usize = 0;
 const WAITERS: usize = 4;
 const PID: usize = 8;
-const FP_SEQ: usize = 16;
-const FP: usize = 24;
-/// Up to this many bytes travel inside the control line itself (two parities of 48 bytes at
-/// offset 32), so a peer gets counter and data in one cache-line transfer.
-const INLINE: usize = 48;
-const INLINE_AT: usize = 32;
+/// Inode of the rank's pid namespace (pids are only comparable within one).
+const PIDNS: usize = 12;
+/// Two fingerprint slots (by parity of the collective's number): {seq, word, detail} each.
+const FP_SLOTS: usize = 16;
+const FP_SLOT_LEN: usize = 24;
+/// Up to this many bytes travel inside the control line itself (two parities of 32 bytes at
+/// offset 64), so a peer gets counter and data in one cache-line transfer.
+const INLINE: usize = 32;
+const INLINE_AT: usize = 64;
 
 /// Layout of a segment for `size` ranks and `chunk`-byte steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,8 +101,17 @@ fn reached(value: u32, target: u32) -> bool {
 pub struct Fingerprint {
     /// Communicator sequence number.
     pub seq: u64,
-    /// Collective, dtype, op, root and count packed.
+    /// Collective, dtype, op, root and count (low 24 bits) packed, for messages.
     pub word: u64,
+    /// Hash of everything that must agree: the full count, per-rank counts, algorithm.
+    pub detail: u64,
+}
+
+/// Inode of this process's pid namespace (0 if unknown).
+fn pid_namespace() -> u32 {
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m) as u32)
+        .unwrap_or(0)
 }
 
 /// The shared-memory state of one rank of a communicator whose ranks share a host.
@@ -110,6 +122,9 @@ pub struct ShmGroup {
     counter: u32,
     calls: u64,
     steps: u64,
+    /// Collectives run on this group (parity selects the fingerprint slot).
+    collectives: u64,
+    pidns: u32,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
 }
@@ -169,6 +184,9 @@ impl ShmGroup {
         policy: WaitPolicy,
         abort: Arc<AtomicBool>,
     ) -> ShmGroup {
+        let pidns = pid_namespace();
+        seg.atomic_u32(layout.ctrl(rank) + PIDNS)
+            .store(pidns, Ordering::Relaxed);
         seg.atomic_u32(layout.ctrl(rank) + PID)
             .store(std::process::id(), Ordering::Release);
         ShmGroup {
@@ -178,6 +196,8 @@ impl ShmGroup {
             counter: 0,
             calls: 0,
             steps: 0,
+            collectives: 0,
+            pidns,
             policy,
             abort,
         }
@@ -270,7 +290,11 @@ impl ShmGroup {
             if now.duration_since(last_check) >= Duration::from_millis(100) {
                 last_check = now;
                 let pid = self.seg.atomic_u32(line + PID).load(Ordering::Acquire);
-                if pid != 0 && pid != std::process::id() {
+                // A pid only means something in our own pid namespace.
+                let same_ns = self.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed)
+                    == self.pidns
+                    && self.pidns != 0;
+                if same_ns && pid != 0 && pid != std::process::id() {
                     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
                         if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
                             return Err(Error::PeerClosed {
@@ -298,33 +322,56 @@ impl ShmGroup {
         Ok(())
     }
 
-    /// Publish this call's fingerprint (before its first arrival).
-    fn publish(&self, fp: Fingerprint) {
-        let line = self.layout.ctrl(self.rank);
+    /// Publish this call's fingerprint (before its first arrival) in slot `k % 2`, `k` being
+    /// the number of collectives this group ran: a peer is never more than one collective
+    /// ahead, so it never rewrites the slot a rank is checking.
+    fn publish(&mut self, fp: Fingerprint) -> usize {
+        let slot =
+            self.layout.ctrl(self.rank) + FP_SLOTS + (self.collectives % 2) as usize * FP_SLOT_LEN;
+        self.collectives += 1;
         self.seg
-            .atomic_u64(line + FP)
+            .atomic_u64(slot + 8)
             .store(fp.word, Ordering::Relaxed);
         self.seg
-            .atomic_u64(line + FP_SEQ)
-            .store(fp.seq, Ordering::Release);
+            .atomic_u64(slot + 16)
+            .store(fp.detail, Ordering::Relaxed);
+        self.seg.atomic_u64(slot).store(fp.seq, Ordering::Release);
+        slot - self.layout.ctrl(self.rank)
     }
 
-    /// After the first barrier of a call: every peer still in this call has the same fingerprint.
-    fn verify(&self, fp: Fingerprint, w: &WaitCtx, describe: &dyn Fn(u64) -> String) -> Result<()> {
+    /// After the first barrier of a call: every peer published this very call (same sequence
+    /// number, else the ranks are out of step) with the same fingerprint.
+    fn verify(
+        &self,
+        fp: Fingerprint,
+        slot: usize,
+        w: &WaitCtx,
+        describe: &dyn Fn(u64) -> String,
+    ) -> Result<()> {
         for p in 0..self.size() {
             if p == self.rank {
                 continue;
             }
-            let line = self.layout.ctrl(p);
-            let seq = self.seg.atomic_u64(line + FP_SEQ).load(Ordering::Acquire);
-            let word = self.seg.atomic_u64(line + FP).load(Ordering::Relaxed);
-            if seq == fp.seq && word != fp.word {
+            let at = self.layout.ctrl(p) + slot;
+            let seq = self.seg.atomic_u64(at).load(Ordering::Acquire);
+            let word = self.seg.atomic_u64(at + 8).load(Ordering::Relaxed);
+            let detail = self.seg.atomic_u64(at + 16).load(Ordering::Relaxed);
+            if seq != fp.seq || word != fp.word || detail != fp.detail {
+                let theirs = if seq != fp.seq {
+                    format!("its collective number {seq}")
+                } else {
+                    describe(word)
+                };
+                let extra = if seq == fp.seq && word == fp.word {
+                    " (per-rank counts or algorithm differ)"
+                } else {
+                    ""
+                };
                 return Err(Error::Mismatch {
                     ctx: w.ctx.clone(),
                     peer: p,
                     msg: format!(
-                        "rank {p} called {} while this rank called {} at seq {}",
-                        describe(word),
+                        "rank {p} called {theirs} while this rank called {} at seq {}{extra}",
                         describe(fp.word),
                         fp.seq
                     ),
@@ -341,9 +388,9 @@ impl ShmGroup {
         w: &WaitCtx,
         describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
-        self.publish(fp);
+        let slot = self.publish(fp);
         self.arrive_and_wait_all(w)?;
-        self.verify(fp, w, describe)
+        self.verify(fp, slot, w, describe)
     }
 
     /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
@@ -431,7 +478,7 @@ impl ShmGroup {
             }
             return Ok(());
         }
-        let chunk = self.layout.chunk / (n * es) * (n * es);
+        let chunk = (self.layout.chunk / (n * es) * (n * es)).max(n * es);
         let mut first = true;
         let mut o = 0;
         while o < len {

@@ -35,7 +35,11 @@ impl Segment {
             OFlags::CREATE | OFlags::EXCL | OFlags::RDWR,
             Mode::RUSR | Mode::WUSR,
         )?;
-        if let Err(e) = rustix::fs::ftruncate(&fd, len as u64) {
+        // Reserve the pages now: on a full tmpfs this fails here (and the caller falls back to
+        // TCP) instead of raising SIGBUS at the first touch of a missing page.
+        if let Err(e) = rustix::fs::ftruncate(&fd, len as u64).and_then(|()| {
+            rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len as u64)
+        }) {
             let _ = rustix::shm::unlink(name);
             return Err(e.into());
         }
@@ -88,6 +92,7 @@ impl Segment {
     pub fn anonymous(len: usize) -> io::Result<Segment> {
         let fd = rustix::fs::memfd_create("hcomm-window", rustix::fs::MemfdFlags::CLOEXEC)?;
         rustix::fs::ftruncate(&fd, len as u64)?;
+        rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len as u64)?;
         let keep = fd.try_clone()?;
         let mut seg = Self::map(fd, "", len.max(1))?;
         seg.name = format!(
