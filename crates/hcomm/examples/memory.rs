@@ -47,7 +47,7 @@ fn main() -> hcomm::Result<()> {
     let peak = status_kib("VmHWM:");
     let buffers = 2 * (mib << 10) as u64;
     println!(
-        "rank {}: all_reduce {mib} MiB x{} ranks in {:.1} ms; RSS before {} MiB, after {} MiB, peak {} MiB; user buffers {} MiB; library + runtime above buffers: {} MiB; open links {}",
+        "rank {}: all_reduce {mib} MiB x{} ranks in {:.1} ms; RSS before {} MiB, after {} MiB, peak {} MiB; user buffers {} MiB; library + runtime above buffers: {} MiB; open links {}; shared memory segment {} KiB",
         comm.rank(),
         comm.world_size(),
         secs * 1e3,
@@ -56,7 +56,8 @@ fn main() -> hcomm::Result<()> {
         peak >> 10,
         buffers >> 10,
         (peak.saturating_sub(buffers)) >> 10,
-        comm.open_links()
+        comm.open_links(),
+        comm.shared_memory_bytes() >> 10
     );
     Ok(())
 }
