@@ -114,6 +114,9 @@ pub struct BenchOpts {
     pub target_secs: f64,
     /// Timed repeats per size; the row reports the median (and the fastest).
     pub reps: usize,
+    /// All-reduce only: the buffers live in a shared window (`alloc_window`) and the zero-copy
+    /// `all_reduce_window` runs on them.
+    pub window: bool,
 }
 
 impl BenchOpts {
@@ -133,6 +136,7 @@ impl BenchOpts {
             algo: Algo::Auto,
             target_secs: 0.0,
             reps: 1,
+            window: false,
         }
     }
 }
@@ -325,8 +329,79 @@ fn check_once(op: BenchOp, comm: &Communicator, b: &mut Bufs, o: &BenchOpts) -> 
     })
 }
 
+/// The zero-copy window all-reduce: the data live in a shared window; timed like `run_size`.
+fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row> {
+    let n = comm.world_size();
+    let es = o.dtype.size();
+    let bytes = bytes / es * es;
+    let win = comm.alloc_window(bytes)?;
+    let fill = || {
+        win.local()
+            .write(0, &input(o.dtype, o.redop, comm.rank(), bytes / es, 7))
+    };
+    fill()?;
+    comm.all_reduce_window(&win, bytes, o.dtype, o.redop)?;
+    let mut got = vec![0u8; bytes];
+    win.local().read(0, &mut got)?;
+    let mut wrong = [count_wrong(
+        o.dtype,
+        &got,
+        &reference(o.dtype, o.redop, n, bytes / es, 7),
+    ) as u64];
+    comm.all_reduce_in_place(&mut wrong, ReduceOp::Sum)?;
+    fill()?;
+    let time = |iters: usize| -> Result<f64> {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            comm.all_reduce_window(&win, bytes, o.dtype, o.redop)?;
+        }
+        let mut per = [t0.elapsed().as_secs_f64() / iters as f64];
+        comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
+        Ok(per[0])
+    };
+    for _ in 0..o.warmup {
+        comm.all_reduce_window(&win, bytes, o.dtype, o.redop)?;
+    }
+    let iters = if o.target_secs > 0.0 {
+        ((o.target_secs / time(1)?.max(1e-7)) as usize).clamp(1, 1_000_000)
+    } else {
+        o.iters.max(1)
+    };
+    let mut times = (0..o.reps.max(1))
+        .map(|_| time(iters))
+        .collect::<Result<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    let per_call = times[times.len() / 2];
+    let algbw = if per_call > 0.0 {
+        bytes as f64 / per_call / 1e9
+    } else {
+        0.0
+    };
+    Ok(Row {
+        op: "allreduce".into(),
+        ranks: n,
+        bytes,
+        count: bytes / es,
+        dtype: o.dtype.to_string(),
+        redop: o.redop.to_string(),
+        root: -1,
+        algo: "shm-window".into(),
+        transport: "shm".into(),
+        time_us: per_call * 1e6,
+        time_us_min: times[0] * 1e6,
+        iters,
+        algbw,
+        busbw: algbw * BenchOp::Coll(Collective::AllReduce).busbw_factor(n),
+        wrong: if o.check { wrong[0] as i64 } else { -1 },
+    })
+}
+
 /// Measure one size. Every rank must call it with the same arguments.
 pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row> {
+    if o.window && o.op == BenchOp::Coll(Collective::AllReduce) {
+        return run_window_size(comm, o, bytes);
+    }
     let n = comm.world_size();
     let op = o.op;
     // `--algo auto` leaves HCOMM_ALGO (or an earlier set_algorithm) in force.

@@ -178,6 +178,9 @@ struct BenchArgs {
     /// Append the rows to this JSON-lines file and compare with its last run of the same setup.
     #[arg(long)]
     results: Option<std::path::PathBuf>,
+    /// allreduce: keep the buffers in a shared window and run the zero-copy window all-reduce.
+    #[arg(long)]
+    window: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -359,6 +362,7 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             algo: a.algo.parse::<Algo>()?,
             target_secs: a.target,
             reps: a.reps,
+            window: a.window,
         })
     })();
     let o = match parsed {

@@ -308,3 +308,79 @@ impl Communicator {
         })
     }
 }
+
+impl Communicator {
+    /// All-reduce in place on the first `bytes` of every rank's part of `win` (zero-copy: no
+    /// staging). Collective. Each rank reduces its slice from every part, in rank order, and
+    /// writes the result into that slice of every part; two barriers bracket the work, so the
+    /// parts must not be touched by anyone else between the call and its return.
+    pub fn all_reduce_window(
+        &self,
+        win: &Window,
+        bytes: usize,
+        dtype: crate::DType,
+        op: crate::ReduceOp,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce_window";
+        let n = self.world_size();
+        if win.len() != n {
+            return Err(Error::invalid(
+                OP,
+                0,
+                format!("window has {} parts, communicator {n} ranks", win.len()),
+            ));
+        }
+        if !bytes.is_multiple_of(dtype.size()) {
+            return Err(Error::invalid(
+                OP,
+                0,
+                format!("{bytes} bytes is not a whole number of {dtype} elements"),
+            ));
+        }
+        if let Some(p) = win.parts.iter().find(|p| p.len() < bytes) {
+            return Err(Error::invalid(
+                OP,
+                0,
+                format!(
+                    "rank {}'s part holds {} bytes, fewer than {bytes}",
+                    p.owner(),
+                    p.len()
+                ),
+            ));
+        }
+        let segs = crate::algo::even_segments(bytes / dtype.size(), n, dtype.size());
+        let mine = segs[self.rank()].clone();
+        // Entry: every rank has written its input.
+        self.barrier()?;
+        // In pieces through a small buffer (cache-resident, and no large allocation per call).
+        const PIECE: usize = 64 << 10;
+        let piece = PIECE / dtype.size() * dtype.size();
+        let mut acc = vec![0u8; piece.min(mine.len())];
+        let mut off = mine.start;
+        while off < mine.end {
+            let l = piece.min(mine.end - off);
+            let acc = &mut acc[..l];
+            for (p, part) in win.parts.iter().enumerate() {
+                // SAFETY: between the two barriers, slice `mine` of every part is read and written
+                // by this rank only (each rank owns a different slice; the caller guarantees
+                // nobody else touches the window during the call).
+                let src = unsafe { part.seg.bytes(WIN_HEADER + off, l) };
+                if p == 0 {
+                    acc.copy_from_slice(src);
+                } else {
+                    crate::reduce::reduce_into(dtype, op, acc, src, crate::reduce::Order::AccFirst);
+                }
+            }
+            if op == crate::ReduceOp::Mean {
+                crate::reduce::finalize_mean(dtype, acc, n);
+            }
+            for part in &win.parts {
+                // SAFETY: as above: this rank's slice, between the barriers.
+                unsafe { part.seg.write(WIN_HEADER + off, acc) };
+            }
+            off += l;
+        }
+        // Exit: every slice of every part holds the result.
+        self.barrier()
+    }
+}

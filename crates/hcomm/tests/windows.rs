@@ -118,3 +118,36 @@ fn ranks_on_other_hosts_get_a_clear_error() {
         assert!(w.is_some_and(|w| w.contains("only between ranks of one host")));
     }
 }
+
+#[test]
+fn zero_copy_window_all_reduce_matches_the_reference() {
+    use hcomm::testing::{count_wrong, input, reference};
+    use hcomm::{DType, ReduceOp};
+    for n in [1, 2, 3, 4] {
+        let res = run_threads(n, T, |c| {
+            let w = c.alloc_window(1 << 20)?;
+            let mut wrong = 0;
+            for (dtype, op, count) in [
+                (DType::F32, ReduceOp::Sum, 1),
+                (DType::I32, ReduceOp::Max, 1031),
+                (DType::BF16, ReduceOp::Mean, 70_001),
+                (DType::F64, ReduceOp::Prod, 100_003),
+            ] {
+                let bytes = count * dtype.size();
+                w.local().write(0, &input(dtype, op, c.rank(), count, 5))?;
+                c.all_reduce_window(&w, bytes, dtype, op)?;
+                let mut got = vec![0u8; bytes];
+                w.local().read(0, &mut got)?;
+                wrong += count_wrong(dtype, &got, &reference(dtype, op, n, count, 5));
+            }
+            let e = c
+                .all_reduce_window(&w, (1 << 20) + 4, DType::F32, ReduceOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("fewer than"), "{e}");
+            Ok(wrong)
+        });
+        for r in res {
+            assert_eq!(r.unwrap(), 0, "{n} ranks");
+        }
+    }
+}
