@@ -47,20 +47,30 @@ impl BenchOp {
         }
     }
 
+    /// Operations whose size is `ranks × block` (the nccl-tests convention) and whose busbw
+    /// factor is `(n-1)/n`.
+    fn blocked(self) -> bool {
+        matches!(
+            self,
+            BenchOp::Coll(
+                Collective::AllGather
+                    | Collective::ReduceScatter
+                    | Collective::AllToAll
+                    | Collective::Gather
+                    | Collective::Scatter
+            )
+        )
+    }
+
     /// nccl-tests bus-bandwidth factor for `n` ranks.
     pub fn busbw_factor(self, n: usize) -> f64 {
         let n = n as f64;
         match self {
             BenchOp::Coll(Collective::AllReduce) => 2.0 * (n - 1.0) / n,
-            BenchOp::Coll(
-                Collective::AllGather
-                | Collective::ReduceScatter
-                | Collective::AllToAll
-                | Collective::Gather
-                | Collective::Scatter,
-            ) => (n - 1.0) / n,
+            op if op.blocked() => (n - 1.0) / n,
             BenchOp::Coll(Collective::Barrier) => 0.0,
-            BenchOp::Coll(Collective::Broadcast | Collective::Reduce) | BenchOp::SendRecv => 1.0,
+            // Broadcast, reduce, send/recv.
+            _ => 1.0,
         }
     }
 
@@ -329,6 +339,40 @@ fn check_once(op: BenchOp, comm: &Communicator, b: &mut Bufs, o: &BenchOpts) -> 
     })
 }
 
+/// Median and fastest time per call (max over ranks) and the calls per repeat: warm-up, then
+/// `o.reps` repeats of back-to-back calls, each bracketed by a barrier (the nccl-tests loop).
+/// With `o.target_secs`, the calls per repeat are calibrated so that a repeat takes about
+/// that long; every rank agrees on the slowest estimate so that all run the same calls.
+fn time_calls(
+    comm: &Communicator,
+    o: &BenchOpts,
+    call: &mut dyn FnMut() -> Result<()>,
+) -> Result<(f64, f64, usize)> {
+    for _ in 0..o.warmup {
+        call()?;
+    }
+    let mut timed = |iters: usize| -> Result<f64> {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            call()?;
+        }
+        let mut per = [t0.elapsed().as_secs_f64() / iters as f64];
+        comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
+        Ok(per[0])
+    };
+    let iters = if o.target_secs > 0.0 {
+        ((o.target_secs / timed(1)?.max(1e-7)) as usize).clamp(1, 1_000_000)
+    } else {
+        o.iters.max(1)
+    };
+    let mut times = (0..o.reps.max(1))
+        .map(|_| timed(iters))
+        .collect::<Result<Vec<f64>>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], times[0], iters))
+}
+
 /// The zero-copy window all-reduce: the data live in a shared window; timed like `run_size`.
 fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row> {
     let n = comm.world_size();
@@ -350,29 +394,9 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
     ) as u64];
     comm.all_reduce_in_place(&mut wrong, ReduceOp::Sum)?;
     fill()?;
-    let time = |iters: usize| -> Result<f64> {
-        comm.barrier()?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            comm.all_reduce_window(&win, bytes, o.dtype, o.redop)?;
-        }
-        let mut per = [t0.elapsed().as_secs_f64() / iters as f64];
-        comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
-        Ok(per[0])
-    };
-    for _ in 0..o.warmup {
-        comm.all_reduce_window(&win, bytes, o.dtype, o.redop)?;
-    }
-    let iters = if o.target_secs > 0.0 {
-        ((o.target_secs / time(1)?.max(1e-7)) as usize).clamp(1, 1_000_000)
-    } else {
-        o.iters.max(1)
-    };
-    let mut times = (0..o.reps.max(1))
-        .map(|_| time(iters))
-        .collect::<Result<Vec<f64>>>()?;
-    times.sort_by(f64::total_cmp);
-    let per_call = times[times.len() / 2];
+    let (per_call, fastest, iters) = time_calls(comm, o, &mut || {
+        comm.all_reduce_window(&win, bytes, o.dtype, o.redop)
+    })?;
     let algbw = if per_call > 0.0 {
         bytes as f64 / per_call / 1e9
     } else {
@@ -389,7 +413,7 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
         algo: "shm-window".into(),
         transport: "shm".into(),
         time_us: per_call * 1e6,
-        time_us_min: times[0] * 1e6,
+        time_us_min: fastest * 1e6,
         iters,
         algbw,
         busbw: algbw * BenchOp::Coll(Collective::AllReduce).busbw_factor(n),
@@ -419,43 +443,15 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
     } else {
         -1
     };
-    for _ in 0..o.warmup {
-        call(op, comm, &mut b, o.dtype, o.redop, root)?;
-    }
-    let iters = if o.target_secs > 0.0 {
-        // Every rank must run the same number of calls: agree on the slowest estimate.
-        comm.barrier()?;
-        let t0 = Instant::now();
-        call(op, comm, &mut b, o.dtype, o.redop, root)?;
-        let mut one = [t0.elapsed().as_secs_f64()];
-        comm.all_reduce_in_place(&mut one, ReduceOp::Max)?;
-        ((o.target_secs / one[0].max(1e-7)) as usize).clamp(1, 1_000_000)
-    } else {
-        o.iters.max(1)
-    };
-    let mut times = Vec::with_capacity(o.reps.max(1));
-    for _ in 0..o.reps.max(1) {
-        comm.barrier()?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            call(op, comm, &mut b, o.dtype, o.redop, root)?;
-        }
-        let mut per_call = [t0.elapsed().as_secs_f64() / iters as f64];
-        comm.all_reduce_in_place(&mut per_call, ReduceOp::Max)?;
-        times.push(per_call[0] / if op == BenchOp::SendRecv { 2.0 } else { 1.0 });
-    }
-    times.sort_by(f64::total_cmp);
-    let per_call = times[times.len() / 2];
-    let fastest = times[0];
+    let (t, t_min, iters) = time_calls(comm, o, &mut || {
+        call(op, comm, &mut b, o.dtype, o.redop, root)
+    })?;
+    // Ping-pong: one call is a round trip; report one way.
+    let one_way = if op == BenchOp::SendRecv { 2.0 } else { 1.0 };
+    let (per_call, fastest) = (t / one_way, t_min / one_way);
     let es = o.dtype.size();
     let shown = match op {
-        BenchOp::Coll(
-            Collective::AllGather
-            | Collective::ReduceScatter
-            | Collective::AllToAll
-            | Collective::Gather
-            | Collective::Scatter,
-        ) => b.block * n * es,
+        op if op.blocked() => b.block * n * es,
         BenchOp::Coll(Collective::Barrier) => 0,
         _ => bytes / es * es,
     };

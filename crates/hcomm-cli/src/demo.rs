@@ -56,57 +56,87 @@ pub fn run(comm: &Communicator, bytes: usize, iters: usize) -> Result<Vec<DemoRo
                 }
             }
         }
-        let o = BenchOpts {
-            min_bytes: bytes,
-            max_bytes: bytes,
-            warmup: 2,
-            iters,
-            ..BenchOpts::new(BenchOp::Coll(coll))
+        let size = if coll == Collective::Barrier {
+            0
+        } else {
+            bytes
         };
-        let row = run_size(
+        rows.push(bench_row(
             comm,
-            &o,
-            if coll == Collective::Barrier {
-                0
-            } else {
-                bytes
-            },
-        )?;
-        let correct = all_agree(comm, ok && row.wrong == 0)?;
-        rows.push(DemoRow {
-            name: coll.name().into(),
-            bytes: row.bytes,
-            time_us: row.time_us,
-            algbw: row.algbw,
-            busbw: row.busbw,
-            algo: row.algo,
-            correct,
-        });
+            BenchOp::Coll(coll),
+            coll.name(),
+            size,
+            iters,
+            ok,
+        )?);
     }
     if n >= 2 {
-        let o = BenchOpts {
-            min_bytes: bytes,
-            max_bytes: bytes,
-            warmup: 2,
+        rows.push(bench_row(
+            comm,
+            BenchOp::SendRecv,
+            "send/recv",
+            bytes,
             iters,
-            ..BenchOpts::new(BenchOp::SendRecv)
-        };
-        let row = run_size(comm, &o, bytes)?;
-        let correct = all_agree(comm, row.wrong == 0)?;
-        rows.push(DemoRow {
-            name: "send/recv".into(),
-            bytes: row.bytes,
-            time_us: row.time_us,
-            algbw: row.algbw,
-            busbw: row.busbw,
-            algo: row.algo,
-            correct,
-        });
+            true,
+        )?);
         rows.push(signal_row(comm, iters)?);
         rows.push(connection_row(comm)?);
     }
     rows.push(split_row(comm)?);
     Ok(rows)
+}
+
+/// A row measured (and checked) by the benchmark's loop; correct only if `ok` and the check
+/// passed on every rank.
+fn bench_row(
+    comm: &Communicator,
+    op: BenchOp,
+    name: &str,
+    bytes: usize,
+    iters: usize,
+    ok: bool,
+) -> Result<DemoRow> {
+    let o = BenchOpts {
+        min_bytes: bytes,
+        max_bytes: bytes,
+        warmup: 2,
+        iters,
+        ..BenchOpts::new(op)
+    };
+    let row = run_size(comm, &o, bytes)?;
+    let correct = all_agree(comm, ok && row.wrong == 0)?;
+    Ok(DemoRow {
+        name: name.into(),
+        bytes: row.bytes,
+        time_us: row.time_us,
+        algbw: row.algbw,
+        busbw: row.busbw,
+        algo: row.algo,
+        correct,
+    })
+}
+
+/// A row of a primitive timed by its slowest rank (no bandwidth columns), correct only if
+/// correct on every rank.
+fn latency_row(
+    comm: &Communicator,
+    name: &str,
+    bytes: usize,
+    algo: &str,
+    secs: f64,
+    ok: bool,
+) -> Result<DemoRow> {
+    let mut per = [secs];
+    comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
+    Ok(DemoRow {
+        name: name.into(),
+        bytes,
+        time_us: per[0] * 1e6,
+        algbw: 0.0,
+        busbw: 0.0,
+        algo: algo.into(),
+        correct: all_agree(comm, ok)?,
+    })
 }
 
 /// Signal / wait around a ring: each rank signals its right neighbour and waits for its left.
@@ -129,17 +159,14 @@ fn signal_row(comm: &Communicator, iters: usize) -> Result<DemoRow> {
             comm.signal(right, tag)?;
         }
     }
-    let mut per = [t.elapsed().as_secs_f64() / iters.max(1) as f64 / n as f64];
-    comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
-    Ok(DemoRow {
-        name: "signal/wait".into(),
-        bytes: 0,
-        time_us: per[0] * 1e6,
-        algbw: 0.0,
-        busbw: 0.0,
-        algo: "ring".into(),
-        correct: all_agree(comm, true)?,
-    })
+    latency_row(
+        comm,
+        "signal/wait",
+        0,
+        "ring",
+        t.elapsed().as_secs_f64() / iters.max(1) as f64 / n as f64,
+        true,
+    )
 }
 
 /// Connection objects: out-of-order tags between neighbours.
@@ -179,17 +206,14 @@ fn connection_row(comm: &Communicator) -> Result<DemoRow> {
     }
     ok &= got1 == (0..100).map(|i| i + left as i32 * 1000).collect::<Vec<_>>();
     ok &= got2 == (0..50).map(|i| -i - left as i32 * 1000).collect::<Vec<_>>();
-    let mut per = [t.elapsed().as_secs_f64()];
-    comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
-    Ok(DemoRow {
-        name: "connect/send/recv (tags)".into(),
-        bytes: 600,
-        time_us: per[0] * 1e6,
-        algbw: 0.0,
-        busbw: 0.0,
-        algo: "p2p".into(),
-        correct: all_agree(comm, ok)?,
-    })
+    latency_row(
+        comm,
+        "connect/send/recv (tags)",
+        600,
+        "p2p",
+        t.elapsed().as_secs_f64(),
+        ok,
+    )
 }
 
 /// Split into even/odd ranks and all-reduce within each half.
@@ -206,17 +230,14 @@ fn split_row(comm: &Communicator) -> Result<DemoRow> {
     let ok = v[0] == want
         && sub.world_size() == (0..n).filter(|r| r % 2 == me % 2).count()
         && sub.rank() == me / 2;
-    let mut per = [t.elapsed().as_secs_f64()];
-    comm.all_reduce_in_place(&mut per, ReduceOp::Max)?;
-    Ok(DemoRow {
-        name: "split + all_reduce".into(),
-        bytes: 8,
-        time_us: per[0] * 1e6,
-        algbw: 0.0,
-        busbw: 0.0,
-        algo: "ring/rd".into(),
-        correct: all_agree(comm, ok)?,
-    })
+    latency_row(
+        comm,
+        "split + all_reduce",
+        8,
+        "ring/rd",
+        t.elapsed().as_secs_f64(),
+        ok,
+    )
 }
 
 /// Print the table.

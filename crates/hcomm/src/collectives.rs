@@ -5,7 +5,7 @@
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
 use crate::algo::{basic, count_segments, even_segments, ring, tree, Algo};
-use crate::comm::{describe_shm_word, Collective, Communicator};
+use crate::comm::{Collective, Communicator};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::reduce::finalize_mean;
@@ -78,7 +78,9 @@ impl Communicator {
             }
         }
         let n = self.world_size();
-        if self.algorithm_for(Collective::AllReduce, recv.len()) == Algo::Hierarchical {
+        if self.hierarchical_layout().is_some()
+            && self.algorithm_for(Collective::AllReduce, recv.len()) == Algo::Hierarchical
+        {
             return self.all_reduce_hierarchical(send, recv, dtype, op);
         }
         self.collective(
@@ -91,7 +93,7 @@ impl Communicator {
             |run, algo| {
                 if algo == Algo::Shm {
                     let (g, w, fp) = run.shm_parts();
-                    return g.all_reduce(send, recv, dtype, op, None, fp, &w, &describe_shm_word);
+                    return g.all_reduce(send, recv, dtype, op, None, fp, &w);
                 }
                 if let Some(s) = send {
                     recv.copy_from_slice(s);
@@ -265,7 +267,7 @@ impl Communicator {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
                     run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
-                    return g.all_gather(send, recv, &blocks, None, fp, &w, &describe_shm_word);
+                    return g.all_gather(send, recv, &blocks, None, fp, &w);
                 }
                 if let Some(s) = send {
                     recv[segs[me].clone()].copy_from_slice(s);
@@ -408,16 +410,7 @@ impl Communicator {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
                     run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
-                    return g.reduce_scatter(
-                        send,
-                        recv,
-                        &blocks,
-                        dtype,
-                        op,
-                        fp,
-                        &w,
-                        &describe_shm_word,
-                    );
+                    return g.reduce_scatter(send, recv, &blocks, dtype, op, fp, &w);
                 }
                 let my_seg = segs[me].clone();
                 match send {
@@ -488,7 +481,7 @@ impl Communicator {
                 match algo {
                     Algo::Shm => {
                         let (g, w, fp) = run.shm_parts();
-                        g.broadcast(buf, root, fp, &w, &describe_shm_word)
+                        g.broadcast(buf, root, fp, &w)
                     }
                     Algo::Chain => tree::broadcast_chain(run, buf, root),
                     _ => tree::broadcast_tree(run, buf, root),
@@ -562,16 +555,7 @@ impl Communicator {
                 match algo {
                     Algo::Shm => {
                         let (g, w, fp) = run.shm_parts();
-                        return g.all_reduce(
-                            send,
-                            recv,
-                            dtype,
-                            op,
-                            Some(root),
-                            fp,
-                            &w,
-                            &describe_shm_word,
-                        );
+                        return g.all_reduce(send, recv, dtype, op, Some(root), fp, &w);
                     }
                     Algo::Chain => {
                         // The chain never writes its input; in place on a non-root the output is unused.
@@ -693,15 +677,7 @@ impl Communicator {
                     let blocks: Vec<usize> = segs.iter().map(|s| s.len()).collect();
                     run.fp_extra = counts_hash(&blocks);
                     let (g, w, fp) = run.shm_parts();
-                    return g.all_gather(
-                        Some(send),
-                        recv,
-                        &blocks,
-                        Some(root),
-                        fp,
-                        &w,
-                        &describe_shm_word,
-                    );
+                    return g.all_gather(Some(send), recv, &blocks, Some(root), fp, &w);
                 }
                 basic::gather_linear(run, send, recv, &segs, root)
             },
@@ -781,23 +757,11 @@ impl Communicator {
             recv.len(),
             |run, algo| {
                 if algo == Algo::Shm {
-                    let blocks: Vec<(usize, usize)> =
-                        segs.iter().map(|s| (s.start, s.len())).collect();
-                    let mut from = vec![(0, 0); n];
-                    from[root] = (0, recv.len());
-                    let longest = blocks.iter().map(|b| b.1).max().unwrap_or(0);
+                    run.fp_extra = counts_hash(counts);
+                    let mut from = vec![0..0; n];
+                    from[root] = 0..recv.len();
                     let (g, w, fp) = run.shm_parts();
-                    return g.all_to_all(
-                        send,
-                        &blocks,
-                        recv,
-                        &from,
-                        longest,
-                        Some(root),
-                        fp,
-                        &w,
-                        &describe_shm_word,
-                    );
+                    return g.all_to_all(send, &segs, recv, &from, Some(root), fp, &w);
                 }
                 basic::scatter_linear(run, send, recv, &segs, root)
             },
@@ -912,21 +876,8 @@ impl Communicator {
             |run, algo| {
                 // Shared memory needs every block length known to every rank: equal blocks only.
                 if algo == Algo::Shm && fp_count != 0 {
-                    let to: Vec<(usize, usize)> = ss.iter().map(|s| (s.start, s.len())).collect();
-                    let from: Vec<(usize, usize)> = rs.iter().map(|s| (s.start, s.len())).collect();
-                    let longest = to.iter().map(|b| b.1).max().unwrap_or(0);
                     let (g, w, fp) = run.shm_parts();
-                    return g.all_to_all(
-                        send,
-                        &to,
-                        recv,
-                        &from,
-                        longest,
-                        None,
-                        fp,
-                        &w,
-                        &describe_shm_word,
-                    );
+                    return g.all_to_all(send, &ss, recv, &rs, None, fp, &w);
                 }
                 basic::all_to_all_pairwise(run, send, &ss, recv, &rs)
             },
@@ -950,7 +901,7 @@ impl Communicator {
             |run, algo| match algo {
                 Algo::Shm => {
                     let (g, w, fp) = run.shm_parts();
-                    g.barrier(fp, &w, &describe_shm_word)
+                    g.barrier(fp, &w)
                 }
                 _ if n > 1 => basic::barrier_dissemination(run),
                 _ => Ok(()),

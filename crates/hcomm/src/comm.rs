@@ -4,7 +4,7 @@
 use crate::algo::{Algo, Run};
 use crate::bootstrap::store::{StoreClient, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
-use crate::config::{BootstrapConfig, LaunchSource, TransportKind};
+use crate::config::{BootstrapConfig, TransportKind};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::transport::frame::{Header, Kind};
@@ -253,7 +253,6 @@ pub struct Communicator {
     /// The deadline of every blocking call, in nanoseconds.
     timeout_ns: std::sync::atomic::AtomicU64,
     thresholds: Thresholds,
-    policy: WaitPolicy,
     aborted: Arc<AtomicBool>,
     inner: Mutex<Inner>,
     /// Keeps rank 0's store alive as long as any communicator of the job on this rank is.
@@ -266,6 +265,8 @@ pub struct Communicator {
     store: Mutex<Option<StoreClient>>,
     /// Collective window allocations so far.
     windows: std::sync::atomic::AtomicU64,
+    /// See [`Communicator::hierarchical_layout`].
+    hier_layout: Option<(usize, usize, usize)>,
     /// Sub-communicators of the hierarchical all-reduce (made on first use).
     /// (Also the lock that serialises creating them.)
     hierarchy: Mutex<Option<Arc<Hierarchy>>>,
@@ -406,7 +407,6 @@ impl Communicator {
             "hcomm communicator ready in {:?}",
             start.elapsed()
         );
-        let _ = LaunchSource::Hcomm;
         Ok(comm)
     }
 
@@ -474,6 +474,7 @@ impl Communicator {
             None
         };
         let shm_bytes = shm.as_ref().map_or(0, |s| s.footprint());
+        let hier_layout = compute_hierarchical_layout(&hosts, rank);
         drop(store);
         Ok(Communicator {
             rank,
@@ -488,7 +489,6 @@ impl Communicator {
                 timeout.as_nanos().min(u64::MAX as u128) as u64
             ),
             thresholds: Thresholds::default(),
-            policy,
             aborted,
             inner: Mutex::new(Inner {
                 links,
@@ -508,6 +508,7 @@ impl Communicator {
             store: Mutex::new(None),
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
+            hier_layout,
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
         })
     }
@@ -559,28 +560,9 @@ impl Communicator {
     }
 
     /// (host index, index within the host, ranks per host) of this rank when the ranks form at
-    /// least 2 hosts of L ≥ 2 ranks each (hosts numbered by their lowest rank).
+    /// least 2 hosts of L ≥ 2 ranks each (hosts numbered by their lowest rank); computed once.
     pub(crate) fn hierarchical_layout(&self) -> Option<(usize, usize, usize)> {
-        let mut hosts: Vec<&String> = Vec::new();
-        for h in &self.hosts {
-            if !hosts.contains(&h) {
-                hosts.push(h);
-            }
-        }
-        let per = self.size / hosts.len().max(1);
-        if hosts.len() < 2
-            || per < 2
-            || hosts
-                .iter()
-                .any(|h| self.hosts.iter().filter(|x| x == h).count() != per)
-        {
-            return None;
-        }
-        let host = hosts.iter().position(|h| **h == self.host_id)?;
-        let local = (0..self.rank)
-            .filter(|&r| self.hosts[r] == self.host_id)
-            .count();
-        Some((host, local, per))
+        self.hier_layout
     }
 
     /// The hierarchy's sub-communicators, made on first use (a collective call: every rank
@@ -1186,7 +1168,6 @@ impl Communicator {
             transport: self.transport,
         })?;
         c.thresholds = self.thresholds;
-        let _ = self.policy;
         Ok(c)
     }
 }
@@ -1217,18 +1198,20 @@ fn p2p_protocol(
         .map(|s| s.0)
         .chain(recv.iter().map(|r| r.0))
         .collect();
-    for &p in &peers {
-        if let Some(n) = links.take_nack(p) {
-            return Err(size_err(
-                p,
-                n.tag,
-                format!(
+    // A Nack for an earlier eager message (checked again at the end: it may arrive meanwhile).
+    let earlier_nack = |links: &mut TcpLinks| -> Result<()> {
+        for &p in &peers {
+            if let Some(n) = links.take_nack(p) {
+                let msg = format!(
                     "an earlier message with tag {} to rank {p} did not match its {}-byte receive",
                     n.tag, n.count
-                ),
-            ));
+                );
+                return Err(size_err(p, n.tag, msg));
+            }
         }
-    }
+        Ok(())
+    };
+    earlier_nack(links)?;
     let mut sends: Vec<SendOp> = Vec::new();
     let mut recvs: Vec<RecvOp> = Vec::new();
     let mut deferred: Option<Error> = None;
@@ -1328,20 +1311,7 @@ fn p2p_protocol(
     if let Some(e) = deferred {
         return Err(e);
     }
-    // A Nack for an earlier eager message that arrived during this call.
-    for p in peers {
-        if let Some(n) = links.take_nack(p) {
-            return Err(size_err(
-                p,
-                n.tag,
-                format!(
-                    "an earlier message with tag {} to rank {p} did not match its {}-byte receive",
-                    n.tag, n.count
-                ),
-            ));
-        }
-    }
-    Ok(())
+    earlier_nack(links)
 }
 
 /// Create (rank 0) or attach (others) the communicator's shared-memory segment, agree through
@@ -1468,6 +1438,28 @@ fn setup_shm(
         );
     }
     Ok(group)
+}
+
+/// See [`Communicator::hierarchical_layout`].
+fn compute_hierarchical_layout(hosts: &[String], rank: usize) -> Option<(usize, usize, usize)> {
+    let mut distinct: Vec<&String> = Vec::new();
+    for h in hosts {
+        if !distinct.contains(&h) {
+            distinct.push(h);
+        }
+    }
+    let per = hosts.len() / distinct.len().max(1);
+    if distinct.len() < 2
+        || per < 2
+        || distinct
+            .iter()
+            .any(|h| hosts.iter().filter(|x| x == h).count() != per)
+    {
+        return None;
+    }
+    let host = distinct.iter().position(|h| **h == hosts[rank])?;
+    let local = (0..rank).filter(|&r| hosts[r] == hosts[rank]).count();
+    Some((host, local, per))
 }
 
 /// Sub-communicators of the hierarchical all-reduce.

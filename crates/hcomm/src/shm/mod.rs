@@ -17,6 +17,7 @@ use crate::error::{Error, OpContext, Result};
 use crate::reduce::{finalize_mean, reduce_into, Order};
 use crate::transport::wait::WaitPolicy;
 use segment::Segment;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -341,13 +342,7 @@ impl ShmGroup {
 
     /// After the first barrier of a call: every peer published this very call (same sequence
     /// number, else the ranks are out of step) with the same fingerprint.
-    fn verify(
-        &self,
-        fp: Fingerprint,
-        slot: usize,
-        w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
-    ) -> Result<()> {
+    fn verify(&self, fp: Fingerprint, slot: usize, w: &WaitCtx) -> Result<()> {
         for p in 0..self.size() {
             if p == self.rank {
                 continue;
@@ -360,7 +355,7 @@ impl ShmGroup {
                 let theirs = if seq != fp.seq {
                     format!("its collective number {seq}")
                 } else {
-                    describe(word)
+                    crate::comm::describe_shm_word(word)
                 };
                 let extra = if seq == fp.seq && word == fp.word {
                     " (per-rank counts or algorithm differ)"
@@ -372,7 +367,7 @@ impl ShmGroup {
                     peer: p,
                     msg: format!(
                         "rank {p} called {theirs} while this rank called {} at seq {}{extra}",
-                        describe(fp.word),
+                        crate::comm::describe_shm_word(fp.word),
                         fp.seq
                     ),
                 });
@@ -382,27 +377,16 @@ impl ShmGroup {
     }
 
     /// The first barrier of a call, with the fingerprint check.
-    fn first_barrier(
-        &mut self,
-        fp: Fingerprint,
-        w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
-    ) -> Result<()> {
+    fn first_barrier(&mut self, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
         let slot = self.publish(fp);
         self.arrive_and_wait_all(w)?;
-        self.verify(fp, slot, w, describe)
+        self.verify(fp, slot, w)
     }
 
     /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
-    fn phase_a(
-        &mut self,
-        first: &mut bool,
-        fp: Fingerprint,
-        w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
-    ) -> Result<()> {
+    fn phase_a(&mut self, first: &mut bool, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
         if std::mem::take(first) {
-            self.first_barrier(fp, w, describe)
+            self.first_barrier(fp, w)
         } else {
             self.arrive_and_wait_all(w)
         }
@@ -427,13 +411,8 @@ impl ShmGroup {
     }
 
     /// Barrier.
-    pub fn barrier(
-        &mut self,
-        fp: Fingerprint,
-        w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
-    ) -> Result<()> {
-        self.first_barrier(fp, w, describe)
+    pub fn barrier(&mut self, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
+        self.first_barrier(fp, w)
     }
 
     /// All-reduce (`input = None`: in place on `out`); with `root = Some(r)` it is a reduce and
@@ -448,7 +427,6 @@ impl ShmGroup {
         root: Option<usize>,
         fp: Fingerprint,
         w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let n = self.size();
         let me = self.rank;
@@ -466,7 +444,7 @@ impl ShmGroup {
             // SAFETY: slot (me, par) is this rank's: peers last read it in the call before the
             // previous one, and every peer arrived at the previous call after finishing that.
             unsafe { self.seg.write(self.layout.slot(me, par, len), src) };
-            self.first_barrier(fp, w, describe)?;
+            self.first_barrier(fp, w)?;
             if writes_out {
                 // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
                 // not write it again before we arrive at the next call.
@@ -501,7 +479,7 @@ impl ShmGroup {
                     };
                 }
             }
-            self.phase_a(&mut first, fp, w, describe)?;
+            self.phase_a(&mut first, fp, w)?;
             // Reduce our slice, in rank order, into the shared result.
             let mine = segs[me].clone();
             let r_off = self.layout.result(par) + mine.start;
@@ -524,7 +502,7 @@ impl ShmGroup {
             // Phase B: everyone's slice is reduced; copy the others' out.
             self.arrive_and_wait_all(w)?;
             if writes_out {
-                for (p, s) in segs.iter().enumerate() {
+                for s in &segs {
                     // SAFETY: result slices were published by the phase-B arrivals we awaited and
                     // are rewritten only after our next arrival.
                     unsafe {
@@ -533,7 +511,6 @@ impl ShmGroup {
                             &mut out[o + s.start..o + s.end],
                         )
                     };
-                    let _ = p;
                 }
             }
             o += l;
@@ -551,7 +528,6 @@ impl ShmGroup {
         root: usize,
         fp: Fingerprint,
         w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let me = self.rank;
         if buf.len() <= SMALL {
@@ -563,7 +539,7 @@ impl ShmGroup {
                 // SAFETY: slot (root, par) is ours (see all_reduce's one-shot path).
                 unsafe { self.seg.write(self.layout.slot(root, par, len), buf) };
             }
-            self.first_barrier(fp, w, describe)?;
+            self.first_barrier(fp, w)?;
             if me != root {
                 // SAFETY: published by the root's arrival; rewritten two calls later at the earliest.
                 unsafe { self.seg.read(self.layout.slot(root, par, len), buf) };
@@ -583,7 +559,7 @@ impl ShmGroup {
                         .write(self.layout.staging(root, par), &buf[o..o + l])
                 };
             }
-            self.phase_a(&mut first, fp, w, describe)?;
+            self.phase_a(&mut first, fp, w)?;
             if me != root {
                 // SAFETY: published by the root's arrival; rewritten only after our next one.
                 unsafe {
@@ -611,7 +587,6 @@ impl ShmGroup {
         root: Option<usize>,
         fp: Fingerprint,
         w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let me = self.rank;
         let offs: Vec<usize> = blocks
@@ -634,7 +609,7 @@ impl ShmGroup {
             };
             // SAFETY: slot (me, par) is ours (see all_reduce's one-shot path).
             unsafe { self.seg.write(self.layout.slot(me, par, longest), src) };
-            self.first_barrier(fp, w, describe)?;
+            self.first_barrier(fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
                     if p == me && input.is_none() {
@@ -664,7 +639,7 @@ impl ShmGroup {
             };
             // SAFETY: staging (me, par) is ours (readers finished two steps ago).
             unsafe { self.seg.write(self.layout.staging(me, par), src) };
-            self.phase_a(&mut first, fp, w, describe)?;
+            self.phase_a(&mut first, fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
                     let l = b.saturating_sub(o).min(chunk);
@@ -696,7 +671,6 @@ impl ShmGroup {
         op: ReduceOp,
         fp: Fingerprint,
         w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let n = self.size();
         let me = self.rank;
@@ -733,7 +707,7 @@ impl ShmGroup {
                     };
                 }
             }
-            self.phase_a(&mut first, fp, w, describe)?;
+            self.phase_a(&mut first, fp, w)?;
             let l = blocks[me].saturating_sub(o).min(piece);
             if l > 0 {
                 let r_off = self.layout.result(par) + me * piece;
@@ -774,24 +748,24 @@ impl ShmGroup {
     }
 
     /// Scatter (`root = Some(r)`: only `r` sends) or all-to-all (`root = None`): block `p` of
-    /// `input` (`send[p]` = (offset, len) in bytes) goes to rank `p`, and the block from rank `q`
-    /// lands at `recv[q]` = (offset, len) of `out`. Every block length must be known to every
+    /// `input` (byte range `send[p]`) goes to rank `p`, and the block from rank `q` lands in
+    /// byte range `recv[q]` of `out`. Every block length must be known to every
     /// rank (equal blocks, or the scatter's counts), so that all ranks run the same steps.
     #[allow(clippy::too_many_arguments)]
     pub fn all_to_all(
         &mut self,
         input: &[u8],
-        send: &[(usize, usize)],
+        send: &[Range<usize>],
         out: &mut [u8],
-        recv: &[(usize, usize)],
-        longest: usize,
+        recv: &[Range<usize>],
         root: Option<usize>,
         fp: Fingerprint,
         w: &WaitCtx,
-        describe: &dyn Fn(u64) -> String,
     ) -> Result<()> {
         let n = self.size();
         let me = self.rank;
+        // The same on every rank: the caller guarantees all block lengths are known to all.
+        let longest = send.iter().chain(recv).map(|r| r.len()).max().unwrap_or(0);
         let piece = (self.layout.chunk / n).max(1);
         let mut first = true;
         let mut o = 0;
@@ -799,8 +773,8 @@ impl ShmGroup {
             let par = (self.steps % 2) as usize;
             self.steps += 1;
             if root.is_none_or(|r| r == me) {
-                for (p, &(off, len)) in send.iter().enumerate() {
-                    let l = len.saturating_sub(o).min(piece);
+                for (p, b) in send.iter().enumerate() {
+                    let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                     if l > 0 {
                         // SAFETY: staging (me, par) is ours (readers finished two steps ago).
                         unsafe {
@@ -812,9 +786,9 @@ impl ShmGroup {
                     }
                 }
             }
-            self.phase_a(&mut first, fp, w, describe)?;
-            for (q, &(off, len)) in recv.iter().enumerate() {
-                let l = len.saturating_sub(o).min(piece);
+            self.phase_a(&mut first, fp, w)?;
+            for (q, b) in recv.iter().enumerate() {
+                let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                 let src = root.unwrap_or(q);
                 if l > 0 && root.is_none_or(|r| q == r) {
                     // SAFETY: published by the sender's phase-A arrival; rewritten only after our

@@ -767,13 +767,11 @@ impl TcpLinks {
         deadline: Instant,
         any: bool,
     ) -> Result<()> {
-        let peers: Vec<usize> = sends
-            .iter()
-            .map(|s| s.peer)
-            .chain(recvs.iter().map(|r| r.peer))
-            .collect();
-        for peer in peers {
-            self.ensure_link(ctx, peer, deadline)?;
+        for s in sends.iter() {
+            self.ensure_link(ctx, s.peer, deadline)?;
+        }
+        for r in recvs.iter() {
+            self.ensure_link(ctx, r.peer, deadline)?;
         }
         for r in recvs.iter_mut() {
             if r.id == 0 {
