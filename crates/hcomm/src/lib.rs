@@ -15,11 +15,13 @@
 #![warn(missing_docs)]
 
 pub mod algo;
+mod asynchronous;
 pub mod bootstrap;
 mod collectives;
 pub mod comm;
 pub mod config;
 pub mod dtype;
+mod engine;
 pub mod error;
 pub mod reduce;
 pub mod shm;
@@ -31,5 +33,6 @@ pub use algo::Algo;
 pub use comm::{Collective, Communicator, Connection};
 pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
+pub use engine::Work;
 pub use error::{Error, OpContext, Result};
 pub use window::{SharedMemory, Window};
