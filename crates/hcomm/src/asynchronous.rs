@@ -132,7 +132,12 @@ impl Communicator {
     }
 
     /// Non-blocking [`gather`](Self::gather); returns `(send, recv)`.
-    pub fn gather_async<T, S, B>(self: &Arc<Self>, send: S, mut recv: B, root: usize) -> Work<(S, B)>
+    pub fn gather_async<T, S, B>(
+        self: &Arc<Self>,
+        send: S,
+        mut recv: B,
+        root: usize,
+    ) -> Work<(S, B)>
     where
         T: Element,
         S: AsRef<[T]> + Send + 'static,

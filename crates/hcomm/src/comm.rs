@@ -756,10 +756,7 @@ impl Communicator {
     }
 
     /// [`finish`](Self::finish) for a collective run outside `collective()`.
-    pub(crate) fn finish_collective<T>(
-        inner: &mut Inner,
-        r: Result<T>,
-    ) -> Result<T> {
+    pub(crate) fn finish_collective<T>(inner: &mut Inner, r: Result<T>) -> Result<T> {
         Self::finish(inner, true, r)
     }
 

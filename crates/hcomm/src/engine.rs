@@ -240,7 +240,7 @@ impl<R> Slot<R> {
 /// The buffers belong to the operation until then, so they cannot be read or written while it
 /// is in flight:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0382
 /// # fn f(comm: std::sync::Arc<hcomm::Communicator>) -> hcomm::Result<()> {
 /// let grad = vec![1.0f32; 1024];
 /// let work = comm.all_reduce_async(grad, hcomm::ReduceOp::Sum);
@@ -249,7 +249,7 @@ impl<R> Slot<R> {
 /// # Ok(()) }
 /// ```
 ///
-/// ```compile_fail
+/// ```compile_fail,E0597
 /// # fn f(comm: std::sync::Arc<hcomm::Communicator>) -> hcomm::Result<()> {
 /// let mut grad = vec![1.0f32; 1024];
 /// // Borrowed buffers are refused: the operation outlives any borrow.
@@ -305,14 +305,16 @@ impl<R> Work<R> {
         while !self.is_completed() && Instant::now() < spin_until {
             std::hint::spin_loop();
         }
-        let mut g = self
-            .slot
-            .result
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut g = self.slot.result.lock().unwrap_or_else(|p| p.into_inner());
         while !self.slot.done.load(Ordering::Acquire) {
             match limit {
-                None => g = self.slot.finished.wait(g).unwrap_or_else(|p| p.into_inner()),
+                None => {
+                    g = self
+                        .slot
+                        .finished
+                        .wait(g)
+                        .unwrap_or_else(|p| p.into_inner())
+                }
                 Some(d) => {
                     let waited = start.elapsed();
                     if waited >= d {

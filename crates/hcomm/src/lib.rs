@@ -23,6 +23,7 @@ pub mod config;
 pub mod dtype;
 mod engine;
 pub mod error;
+pub mod fusion;
 pub mod reduce;
 pub mod shm;
 pub mod testing;

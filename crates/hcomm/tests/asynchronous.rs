@@ -61,7 +61,11 @@ fn every_async_form_matches_the_reference() {
                 // Issue everything first, wait afterwards: all in flight at once.
                 let ar = c.all_reduce_async(mine.clone(), ReduceOp::Sum);
                 let bc = c.broadcast_async(
-                    if r == root { mine.clone() } else { vec![0; count] },
+                    if r == root {
+                        mine.clone()
+                    } else {
+                        vec![0; count]
+                    },
                     root,
                 );
                 let rd = c.reduce_async(mine.clone(), ReduceOp::Sum, root);
@@ -70,7 +74,11 @@ fn every_async_form_matches_the_reference() {
                 let rs = c.reduce_scatter_async(rs_send, vec![0i64; count], ReduceOp::Max);
                 let ga = c.gather_async(
                     mine.clone(),
-                    if r == root { vec![0; count * w] } else { vec![] },
+                    if r == root {
+                        vec![0; count * w]
+                    } else {
+                        vec![]
+                    },
                     root,
                 );
                 let sc_send: Vec<i64> = if r == 0 {
@@ -95,9 +103,7 @@ fn every_async_form_matches_the_reference() {
                 let want: Vec<i64> = (0..w).flat_map(|q| mine_of(q, count)).collect();
                 assert_eq!(gathered, want, "all_gather");
                 let (_, scattered) = rs.wait()?;
-                let want: Vec<i64> = (0..count)
-                    .map(|i| (r * count + i + w - 1) as i64)
-                    .collect();
+                let want: Vec<i64> = (0..count).map(|i| (r * count + i + w - 1) as i64).collect();
                 assert_eq!(scattered, want, "reduce_scatter max");
                 let (_, g) = ga.wait()?;
                 if r == root {
@@ -156,7 +162,11 @@ fn operations_complete_in_issue_order_and_blocking_calls_wait_for_earlier_async_
             let mut x = [1u32];
             c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
             assert_eq!(x[0], 3);
-            assert_eq!(log.lock().unwrap().len(), 40, "blocking call overtook async ones");
+            assert_eq!(
+                log.lock().unwrap().len(),
+                40,
+                "blocking call overtook async ones"
+            );
             // Waiting in reverse order works too.
             for w in works.into_iter().rev() {
                 w.wait()?;
