@@ -301,6 +301,18 @@ impl std::ops::DerefMut for OpGuard<'_> {
     }
 }
 
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("id", &self.comm_id)
+            .field("rank", &self.rank)
+            .field("world_size", &self.size)
+            .field("host_id", &self.host_id)
+            .field("shared_memory", &(self.shm_bytes > 0))
+            .finish_non_exhaustive()
+    }
+}
+
 /// A random 64-bit number (time, pid and a counter through a hash; for ids, not for secrets).
 pub(crate) fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};

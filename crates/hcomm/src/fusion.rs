@@ -3,23 +3,32 @@
 //! hundreds, and buckets are launched while the caller is still computing.
 //!
 //! * [`BucketPlanner`] decides which tensors share a bucket (pure; property-tested).
-//! * [`Bucketer`] takes tensors one at a time, in the order gradients become ready, copies
-//!   each closed bucket into a staging buffer and starts its all-reduce asynchronously;
-//!   [`Bucketer::finish`] waits and copies the results back into the tensors.
-//! * [`Communicator::all_reduce_coalesced`] does both for a list of tensors.
+//! * [`Fusion::step`] lends a [`Bucketer`] to the caller's closure; the bucketer takes tensors
+//!   one at a time, in the order gradients become ready, and starts each closed bucket's
+//!   all-reduce asynchronously; when the closure returns, the step waits for every bucket and
+//!   the results are in the tensors.
+//! * [`Communicator::all_reduce_coalesced`] does a whole step for a list of tensors.
 //!
 //! Buckets hold one dtype each (tensors of several dtypes are grouped by dtype). A bucket
 //! closes when it reaches the cap, or before a tensor that would push it past the cap; a
 //! tensor larger than the cap gets a bucket of its own. The first bucket closed may use a
 //! smaller cap (as DDP does) so communication starts early in the backward pass.
+//!
+//! Packing costs two copies of every byte (into the bucket, back out), which on one host is
+//! as much memory traffic as the all-reduce itself. So tensors of at least
+//! [`FusionOptions::direct_bytes`] (1 MiB by default) are not packed: each is all-reduced in
+//! place, in its turn, with no copy — their start-up cost is negligible against their
+//! transfer time anyway. Every rank must push the same tensors in the same order.
 
 use std::collections::{HashMap, VecDeque};
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::Work;
 use crate::error::{Error, Result};
+use crate::lent::LentBuf;
 
 /// Bucket sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +38,9 @@ pub struct FusionOptions {
     /// Bytes of the first bucket closed (default 1 MiB, as DDP); equal to `cap_bytes` to
     /// disable the smaller first bucket.
     pub first_bucket_bytes: usize,
+    /// Tensors of at least this many bytes are all-reduced in place, alone, instead of being
+    /// copied into a bucket (default 1 MiB; `usize::MAX` packs everything).
+    pub direct_bytes: usize,
 }
 
 impl Default for FusionOptions {
@@ -36,16 +48,18 @@ impl Default for FusionOptions {
         FusionOptions {
             cap_bytes: 25 << 20,
             first_bucket_bytes: 1 << 20,
+            direct_bytes: 1 << 20,
         }
     }
 }
 
 impl FusionOptions {
-    /// Buckets of `cap_bytes`, the first one too.
+    /// Buckets of `cap_bytes` (the first one too) that pack every tensor.
     pub fn with_cap(cap_bytes: usize) -> FusionOptions {
         FusionOptions {
             cap_bytes,
             first_bucket_bytes: cap_bytes,
+            direct_bytes: usize::MAX,
         }
     }
 }
@@ -59,6 +73,8 @@ pub struct Bucket {
     pub members: Vec<usize>,
     /// Total bytes of the members.
     pub bytes: usize,
+    /// One tensor of at least [`FusionOptions::direct_bytes`], reduced in place (not packed).
+    pub direct: bool,
 }
 
 /// Decides bucket membership as tensors arrive (see the module documentation for the rule).
@@ -101,6 +117,14 @@ impl BucketPlanner {
     /// Add tensor `index` of `bytes` bytes; returns the buckets this closes (zero, one or two),
     /// ready to launch.
     pub fn add(&mut self, index: usize, dtype: DType, bytes: usize) -> Vec<Bucket> {
+        if bytes >= self.opts.direct_bytes {
+            return vec![Bucket {
+                dtype,
+                members: vec![index],
+                bytes,
+                direct: true,
+            }];
+        }
         let mut out = Vec::new();
         let cap = self.cap();
         if let Some(b) = self.open.get(&dtype) {
@@ -115,6 +139,7 @@ impl BucketPlanner {
             dtype,
             members: Vec::new(),
             bytes: 0,
+            direct: false,
         });
         b.members.push(index);
         b.bytes += bytes;
@@ -240,61 +265,110 @@ impl BufferPool {
     }
 }
 
-/// Launches fused all-reduces as tensors become ready; see the module documentation.
-///
-/// The tensors stay borrowed until [`finish`](Self::finish), so the caller cannot touch them
-/// while their bucket is in flight; it is free to compute anything else.
+/// Fused all-reduces of one model's gradients, step after step: the communicator, the
+/// reduction, the bucket sizes, and staging buffers reused between steps.
 ///
 /// ```no_run
 /// # use std::sync::Arc;
 /// # use hcomm::{Communicator, ReduceOp};
-/// # use hcomm::fusion::{Bucketer, FusionOptions};
+/// # use hcomm::fusion::{Fusion, FusionOptions};
 /// let comm = Arc::new(Communicator::from_env()?);
+/// let fusion = Fusion::new(&comm, ReduceOp::Mean, FusionOptions::default());
 /// let mut grads: Vec<Vec<f32>> = vec![vec![1.0; 1000]; 100];
-/// let mut bucketer = Bucketer::new(&comm, ReduceOp::Mean, FusionOptions::default());
-/// for g in grads.iter_mut().rev() {
-///     // ... compute this gradient (backward pass, last layer first) ...
-///     bucketer.push(g)?;
-/// }
-/// bucketer.finish()?; // every gradient now holds the mean over the ranks
+/// fusion.step(|bucketer| {
+///     for g in grads.iter_mut().rev() {
+///         // ... compute this gradient (backward pass, last layer first) ...
+///         bucketer.push(g)?;
+///     }
+///     Ok(())
+/// })?;
+/// // every gradient now holds the mean over the ranks
 /// # Ok::<(), hcomm::Error>(())
 /// ```
-pub struct Bucketer<'a> {
+#[derive(Debug)]
+pub struct Fusion {
     comm: Arc<Communicator>,
     op: ReduceOp,
-    planner: BucketPlanner,
+    opts: FusionOptions,
     pool: BufferPool,
-    tensors: Vec<Option<TensorMut<'a>>>,
-    in_flight: VecDeque<(Bucket, Work<Vec<u8>>)>,
-    launched: usize,
 }
 
-impl<'a> Bucketer<'a> {
-    /// A bucketer reducing with `op`, with its own buffer pool.
-    pub fn new(comm: &Arc<Communicator>, op: ReduceOp, opts: FusionOptions) -> Bucketer<'a> {
-        Self::with_pool(comm, op, opts, BufferPool::new())
-    }
-
-    /// A bucketer that takes staging buffers from `pool` and returns them to it.
-    pub fn with_pool(
-        comm: &Arc<Communicator>,
-        op: ReduceOp,
-        opts: FusionOptions,
-        pool: BufferPool,
-    ) -> Bucketer<'a> {
-        Bucketer {
+impl Fusion {
+    /// Fusion on `comm`, reducing with `op`.
+    pub fn new(comm: &Arc<Communicator>, op: ReduceOp, opts: FusionOptions) -> Fusion {
+        Fusion {
             comm: comm.clone(),
             op,
-            planner: BucketPlanner::new(opts),
-            pool,
-            tensors: Vec::new(),
-            in_flight: VecDeque::new(),
-            launched: 0,
+            opts,
+            pool: BufferPool::new(),
         }
     }
 
-    /// Add a ready tensor; launches a bucket when this fills one.
-    pub fn push(&mut self, tensor: impl Into<TensorMut<'a>>) -> Result<()> {
+    /// The staging buffers kept between steps.
+    pub fn pool(&self) -> &BufferPool {
+        &self.pool
+    }
+
+    /// One step: `f` pushes tensors into the [`Bucketer`] as they become ready (buckets are
+    /// launched while it keeps computing); then the step launches what is left, waits for
+    /// every bucket and leaves the results in the tensors.
+    ///
+    /// The tensors stay borrowed until `step` returns, so they cannot be touched while their
+    /// bucket is in flight. `step` waits for every launched bucket before it returns, even
+    /// when `f` fails or panics. On error the tensors' contents are unspecified (the
+    /// communicator is then poisoned, except for errors `f` returns itself).
+    ///
+    /// ```compile_fail,E0499
+    /// # fn f(fusion: &hcomm::fusion::Fusion) -> hcomm::Result<()> {
+    /// let mut grad = vec![0.5f32; 1024];
+    /// fusion.step(|b| {
+    ///     b.push(&mut grad)?;
+    ///     grad[0] = 1.0; // error: `grad` is lent to the step until it returns
+    ///     Ok(())
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn step<'env, R, F>(&self, f: F) -> Result<R>
+    where
+        F: for<'scope> FnOnce(&mut Bucketer<'scope, 'env>) -> Result<R>,
+    {
+        let mut b = Bucketer {
+            fusion: self,
+            planner: BucketPlanner::new(self.opts),
+            tensors: Vec::new(),
+            in_flight: VecDeque::new(),
+            launched: 0,
+            _scope: PhantomData,
+        };
+        let r = f(&mut b);
+        let finished = b.finish();
+        let r = r?;
+        finished?;
+        Ok(r)
+    }
+}
+
+/// What a bucket's all-reduce hands back: the staging buffer of a packed bucket (returned to
+/// the pool), nothing for a tensor reduced in place.
+type BucketWork = Work<Option<Vec<u8>>>;
+
+/// Takes tensors for one [`Fusion::step`] and launches their buckets.
+///
+/// `'env` is how long the tensors are borrowed; `'scope` (invariant) ties the bucketer to its
+/// step, so it cannot be moved out of it or swapped with another step's.
+pub struct Bucketer<'scope, 'env> {
+    fusion: &'scope Fusion,
+    planner: BucketPlanner,
+    tensors: Vec<Option<TensorMut<'env>>>,
+    in_flight: VecDeque<(Bucket, BucketWork)>,
+    launched: usize,
+    _scope: PhantomData<&'scope mut &'scope ()>,
+}
+
+impl<'scope, 'env> Bucketer<'scope, 'env> {
+    /// Add a ready tensor; launches a bucket when this fills one (or the tensor itself when it
+    /// is at least [`FusionOptions::direct_bytes`]).
+    pub fn push(&mut self, tensor: impl Into<TensorMut<'env>>) -> Result<()> {
         let t = tensor.into();
         let (dtype, bytes) = (t.dtype, t.bytes.len());
         let index = self.tensors.len();
@@ -305,47 +379,67 @@ impl<'a> Bucketer<'a> {
         Ok(())
     }
 
-    /// Buckets launched so far.
+    /// Launch every open bucket now (the step does it anyway when the closure returns).
+    pub fn flush(&mut self) {
+        for b in self.planner.flush() {
+            self.launch(b);
+        }
+    }
+
+    /// Buckets (all-reduces) launched so far in this step.
     pub fn buckets_launched(&self) -> usize {
         self.launched
     }
 
     fn launch(&mut self, bucket: Bucket) {
-        let mut buf = self.pool.take(bucket.bytes);
-        for &i in &bucket.members {
-            let t = self.tensors[i]
-                .as_ref()
+        let (dtype, op) = (bucket.dtype, self.fusion.op);
+        let work = if bucket.direct {
+            let t = self.tensors[bucket.members[0]]
+                .as_mut()
                 .expect("a tensor is in one bucket only");
-            buf.extend_from_slice(t.bytes);
-        }
-        let (dtype, op) = (bucket.dtype, self.op);
-        let work = self.comm.run_async("all_reduce", move |c| {
-            c.all_reduce_bytes(None, &mut buf, dtype, op)?;
-            Ok(buf)
-        });
+            // SAFETY: the tensor stays in `self.tensors` (borrowed for 'env, which outlives
+            // the step) and is not touched again until `finish` has waited for this work;
+            // `Fusion::step` always calls `finish`, and the bucketer cannot leave the step.
+            let mut lent = unsafe { LentBuf::new(t.bytes) };
+            self.fusion.comm.run_async("all_reduce", move |c| {
+                c.all_reduce_bytes(None, lent.as_mut(), dtype, op)?;
+                Ok(None)
+            })
+        } else {
+            let mut buf = self.fusion.pool.take(bucket.bytes);
+            for &i in &bucket.members {
+                let t = self.tensors[i]
+                    .as_ref()
+                    .expect("a tensor is in one bucket only");
+                buf.extend_from_slice(t.bytes);
+            }
+            self.fusion.comm.run_async("all_reduce", move |c| {
+                c.all_reduce_bytes(None, &mut buf, dtype, op)?;
+                Ok(Some(buf))
+            })
+        };
         self.launched += 1;
         self.in_flight.push_back((bucket, work));
     }
 
-    /// Launch what is left, wait for every bucket and copy the results into the tensors.
-    /// On error the tensors' contents are unspecified (the communicator is poisoned).
-    pub fn finish(mut self) -> Result<()> {
-        for b in self.planner.flush() {
-            self.launch(b);
-        }
+    /// Launch what is left, wait for every bucket, unpack. Waits for everything even after an
+    /// error; returns the first.
+    fn finish(&mut self) -> Result<()> {
+        self.flush();
         let mut first_err = None;
         while let Some((bucket, work)) = self.in_flight.pop_front() {
             match work.wait() {
-                Ok(buf) => {
+                Ok(Some(buf)) => {
                     let mut off = 0;
                     for &i in &bucket.members {
-                        let t = self.tensors[i].take().expect("unpacked once");
+                        let t = self.tensors[i].as_mut().expect("unpacked once");
                         let n = t.bytes.len();
                         t.bytes.copy_from_slice(&buf[off..off + n]);
                         off += n;
                     }
-                    self.pool.give(buf);
+                    self.fusion.pool.give(buf);
                 }
+                Ok(None) => {}
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
@@ -355,20 +449,32 @@ impl<'a> Bucketer<'a> {
     }
 }
 
+impl Drop for Bucketer<'_, '_> {
+    /// Reached with buckets in flight only when the step's closure panicked: wait for them,
+    /// so no lent tensor is freed while the engine still uses it.
+    fn drop(&mut self) {
+        while let Some((_, work)) = self.in_flight.pop_front() {
+            let _ = work.wait();
+        }
+    }
+}
+
 impl Communicator {
     /// All-reduce every tensor in `tensors` (any mix of sizes and dtypes) in fused buckets of
     /// `opts` size; the results land in the tensors, as if each had been all-reduced alone.
+    /// For repeated steps, keep a [`Fusion`] (it reuses its staging buffers).
     pub fn all_reduce_coalesced(
         self: &Arc<Self>,
         tensors: Vec<TensorMut<'_>>,
         op: ReduceOp,
         opts: FusionOptions,
     ) -> Result<()> {
-        let mut b = Bucketer::new(self, op, opts);
-        for t in tensors {
-            b.push(t)?;
-        }
-        b.finish()
+        Fusion::new(self, op, opts).step(|b| {
+            for t in tensors {
+                b.push(t)?;
+            }
+            Ok(())
+        })
     }
 }
 
@@ -385,10 +491,11 @@ mod tests {
             tensors in proptest::collection::vec((0usize..3, 0usize..5000), 0..200),
             cap in 1usize..20_000,
             first in 1usize..20_000,
+            direct in prop_oneof![Just(usize::MAX), 1usize..10_000],
         ) {
             let tensors: Vec<(DType, usize)> =
                 tensors.into_iter().map(|(d, n)| (DTYPES[d], n)).collect();
-            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first };
+            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first, direct_bytes: direct };
             let plan = plan_buckets(&tensors, opts);
             let mut seen = vec![0; tensors.len()];
             // The first bucket closed uses `first`, later ones `cap`; a bucket opened before the
@@ -396,6 +503,12 @@ mod tests {
             let limit = cap.max(first);
             for b in &plan {
                 prop_assert!(!b.members.is_empty());
+                if b.direct {
+                    prop_assert_eq!(b.members.len(), 1);
+                    prop_assert!(b.bytes >= direct);
+                } else {
+                    prop_assert!(b.members.iter().all(|&i| tensors[i].1 < direct));
+                }
                 let total: usize = b.members.iter().map(|&i| tensors[i].1).sum();
                 prop_assert_eq!(total, b.bytes);
                 // Within the cap, unless a single tensor is larger than it.
@@ -432,10 +545,27 @@ mod tests {
             FusionOptions {
                 cap_bytes: 100,
                 first_bucket_bytes: 20,
+                direct_bytes: usize::MAX,
             },
         );
         let sizes: Vec<usize> = plan.iter().map(|b| b.bytes).collect();
         assert_eq!(sizes, vec![20, 100, 100, 80]);
+    }
+
+    #[test]
+    fn large_tensors_go_direct_without_closing_the_open_bucket() {
+        let tensors = vec![(DType::F32, 10), (DType::F32, 1000), (DType::F32, 10)];
+        let opts = FusionOptions {
+            direct_bytes: 500,
+            ..FusionOptions::with_cap(100)
+        };
+        let plan = plan_buckets(&tensors, opts);
+        assert_eq!(
+            plan.iter()
+                .map(|b| (b.members.clone(), b.direct))
+                .collect::<Vec<_>>(),
+            vec![(vec![1], true), (vec![0, 2], false)]
+        );
     }
 
     #[test]

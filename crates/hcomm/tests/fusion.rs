@@ -3,7 +3,7 @@
 
 use half::bf16;
 use hcomm::config::TransportKind;
-use hcomm::fusion::{Bucketer, BufferPool, FusionOptions, TensorMut};
+use hcomm::fusion::{Fusion, FusionOptions, TensorMut};
 use hcomm::testing::{free_port, local_config};
 use hcomm::{Communicator, ReduceOp};
 use std::sync::Arc;
@@ -86,6 +86,7 @@ fn fused_equals_unfused_bitwise() {
                         FusionOptions {
                             cap_bytes: 200_000,
                             first_bucket_bytes: 100,
+                            direct_bytes: 100_000,
                         },
                     ] {
                         let mut got = grads(c.rank());
@@ -132,30 +133,59 @@ fn fused_equals_unfused_bitwise() {
 #[test]
 fn bucketer_launches_while_tensors_arrive_and_reuses_its_buffers() {
     ranks(3, TransportKind::Auto, |c| {
-        let pool = BufferPool::new();
+        let opts = FusionOptions {
+            direct_bytes: 200_000,
+            ..FusionOptions::with_cap(100_000)
+        };
+        let fusion = Fusion::new(&c, ReduceOp::Sum, opts);
         for step in 0..3 {
-            let mut layers: Vec<Vec<f32>> =
-                (0..50).map(|k| vec![(k + step) as f32; 10_000]).collect();
-            let mut b = Bucketer::with_pool(
-                &c,
-                ReduceOp::Sum,
-                FusionOptions::with_cap(100_000),
-                pool.clone(),
-            );
-            for (k, l) in layers.iter_mut().enumerate().rev() {
-                b.push(l)?;
-                if k == 25 {
-                    // Half the tensors in: buckets are already on their way.
-                    assert!(b.buckets_launched() >= 5, "{}", b.buckets_launched());
+            // 50 tensors of 40 kB (packed, 2 per bucket) and every tenth one of 400 kB (direct).
+            let mut layers: Vec<Vec<f32>> = (0..50)
+                .map(|k| vec![(k + step) as f32; if k % 10 == 0 { 100_000 } else { 10_000 }])
+                .collect();
+            let launched = fusion.step(|b| {
+                for (k, l) in layers.iter_mut().enumerate().rev() {
+                    b.push(l)?;
+                    if k == 25 {
+                        // Half the tensors in: buckets are already on their way.
+                        assert!(b.buckets_launched() >= 5, "{}", b.buckets_launched());
+                    }
                 }
-            }
-            b.finish()?;
+                b.flush();
+                Ok(b.buckets_launched())
+            })?;
+            assert_eq!(launched, 5 + 23, "5 direct, 45 packed two by two");
             for (k, l) in layers.iter().enumerate() {
-                assert!(l.iter().all(|&x| x == 3.0 * (k + step) as f32));
+                assert!(
+                    l.iter().all(|&x| x == 3.0 * (k + step) as f32),
+                    "tensor {k}"
+                );
             }
             // Buffers came back to the pool (and are reused on the next step).
-            assert!(pool.idle_bytes() >= 1_000_000, "{}", pool.idle_bytes());
+            assert!(
+                fusion.pool().idle_bytes() >= 80_000,
+                "{}",
+                fusion.pool().idle_bytes()
+            );
         }
+        Ok(())
+    });
+}
+
+#[test]
+fn a_panic_in_the_step_waits_for_buckets_in_flight() {
+    ranks(2, TransportKind::Auto, |c| {
+        let fusion = Fusion::new(&c, ReduceOp::Sum, FusionOptions::default());
+        let mut big = vec![1.0f32; 1 << 20]; // direct: reduced in place
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = fusion.step(|b| -> hcomm::Result<()> {
+                b.push(&mut big)?;
+                panic!("user code failed mid-step");
+            });
+        }));
+        assert!(r.is_err());
+        // The step waited: the in-place all-reduce is complete and the buffer is ours again.
+        assert!(big.iter().all(|&x| x == 2.0));
         Ok(())
     });
 }
