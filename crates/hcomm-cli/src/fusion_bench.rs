@@ -266,6 +266,56 @@ pub fn run(comm: &Arc<Communicator>, o: &FusionBenchOpts) -> Result<Vec<FusionRo
         &mut rows,
     );
 
+    // Where fusion pays: the small tensors alone (start-up cost dominates), 10 passes per
+    // timed step.
+    let mut small: Vec<Vec<f32>> = grads
+        .iter()
+        .filter(|g| g.len() * 4 < (1 << 20))
+        .cloned()
+        .collect();
+    let small_floats: usize = small.iter().map(|g| g.len()).sum();
+    let (small_per_tensor, calls) = time_step(
+        &mut |g| {
+            for _ in 0..10 {
+                for t in g.iter_mut().rev() {
+                    comm.all_reduce_in_place(t, ReduceOp::Sum)?;
+                }
+            }
+            Ok(g.len())
+        },
+        &mut small,
+    )?;
+    emit(
+        FusionRow {
+            mode: format!("small only: per-tensor ({} KiB)", small_floats * 4 >> 10),
+            cap_mib: None,
+            collectives: calls,
+            ms_per_step: small_per_tensor / 10.0,
+            speedup: Some(1.0),
+        },
+        &mut rows,
+    );
+    let (small_fused, buckets) = time_step(
+        &mut |g| {
+            let mut b = 0;
+            for _ in 0..10 {
+                b = fused_step(&fusion, g, None)?;
+            }
+            Ok(b)
+        },
+        &mut small,
+    )?;
+    emit(
+        FusionRow {
+            mode: "small only: fused (default)".into(),
+            cap_mib: Some(25.0),
+            collectives: buckets,
+            ms_per_step: small_fused / 10.0,
+            speedup: Some(small_per_tensor / small_fused),
+        },
+        &mut rows,
+    );
+
     // Overlap: a backward pass as long as the fused all-reduce, shared among the tensors in
     // proportion to their size; every rank runs the same number of units (rank 0's
     // calibration).
