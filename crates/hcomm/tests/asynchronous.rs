@@ -328,3 +328,27 @@ fn abort_fails_work_in_flight() {
         Ok(())
     });
 }
+
+#[test]
+fn many_operations_in_flight_on_several_communicators() {
+    for transport in TRANSPORTS {
+        ranks(3, transport, T, |c| {
+            let comms: Vec<Arc<Communicator>> = (0..3)
+                .map(|_| c.new_group(&[0, 1, 2]).map(Arc::new))
+                .collect::<hcomm::Result<_>>()?;
+            // 3 communicators x 30 operations, issued round-robin before any wait.
+            let mut works = Vec::new();
+            for i in 0..30u64 {
+                for (k, comm) in comms.iter().enumerate() {
+                    let v = vec![i * 10 + k as u64; 1 + (i as usize * 997) % 50_000];
+                    works.push((i * 10 + k as u64, comm.all_reduce_async(v, ReduceOp::Sum)));
+                }
+            }
+            for (x, w) in works {
+                let got = w.wait()?;
+                assert!(got.iter().all(|&y| y == 3 * x), "value {x}");
+            }
+            Ok(())
+        });
+    }
+}
