@@ -121,6 +121,13 @@ struct CheckArgs {
     /// Print every case.
     #[arg(short, long)]
     verbose: bool,
+    /// Soak instead of the sweep: this many random cases (random collective, dtype, op, count,
+    /// root, algorithm; a quarter through the async engine), each checked.
+    #[arg(long)]
+    soak: Option<usize>,
+    /// Soak: stop after this many seconds even if cases remain.
+    #[arg(long)]
+    seconds: Option<f64>,
 }
 
 #[derive(Args)]
@@ -330,6 +337,41 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
         Err(code) => return code,
     };
     let start = std::time::Instant::now();
+    if let Some(ops) = a.soak {
+        let comm = std::sync::Arc::new(comm);
+        let so = check::SoakOpts {
+            ops,
+            duration: a.seconds.map(Duration::from_secs_f64),
+            seed: a.seed,
+        };
+        return match check::soak(&comm, &so) {
+            Ok(r) => {
+                if comm.rank() == 0 {
+                    println!(
+                        "hcomm check --soak: {} ranks: {} random operations ({} async), {} wrong results, seed {} ({:.1} s)",
+                        comm.world_size(),
+                        r.ops,
+                        r.async_ops,
+                        r.wrong,
+                        a.seed,
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+                if r.wrong == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                }
+            }
+            Err(e) => {
+                hcomm_cli::say!(
+                    "hcomm check --soak: rank {}: operation failed: {e}",
+                    comm.rank()
+                );
+                ExitCode::from(1)
+            }
+        };
+    }
     match check::run(&comm, &o) {
         Ok((cases, failed)) => {
             if comm.rank() == 0 {

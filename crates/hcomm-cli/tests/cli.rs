@@ -479,3 +479,29 @@ fn bench_fusion_reports_every_mode() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--scale"), "{err}");
 }
+
+#[test]
+fn soak_runs_random_operations_against_the_reference() {
+    for (np, transport, seed) in [("2", "auto", "21"), ("3", "tcp", "22"), ("4", "auto", "23")] {
+        let (code, out, err) = hcomm_env(
+            &[
+                "check",
+                "-np",
+                np,
+                "--soak",
+                "600",
+                "--seconds",
+                "25",
+                "--seed",
+                seed,
+            ],
+            &[
+                ("HCOMM_TIMEOUT", "60".to_string()),
+                ("HCOMM_TRANSPORT", transport.to_string()),
+            ],
+            Duration::from_secs(150),
+        );
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(out.contains("0 wrong results"), "{out}");
+    }
+}

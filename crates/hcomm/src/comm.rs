@@ -694,7 +694,9 @@ impl Communicator {
         self.shm_bytes
     }
 
-    /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice).
+    /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
+    /// effect in issue order: for operations issued after this call, not for asynchronous
+    /// ones already queued.
     pub fn set_algorithm(&self, coll: Collective, algo: Algo) -> Result<()> {
         if algo == Algo::Hierarchical && self.hierarchical_layout().is_none() {
             return Err(Error::invalid(
@@ -717,6 +719,9 @@ impl Communicator {
                 format!("{} cannot run with '{algo}'", coll.name()),
             ));
         }
+        // In issue order, like an operation: it applies to the operations issued after it,
+        // never to asynchronous ones issued before it and still queued.
+        let _turn = self.engine.turns.enter();
         self.inner.lock().unwrap().algo.insert(coll, algo);
         Ok(())
     }
