@@ -592,8 +592,10 @@ impl Communicator {
         Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
-    /// Change the deadline applied to every later blocking call.
+    /// Change the deadline of every operation issued after this call (in issue order, like
+    /// [`set_algorithm`](Self::set_algorithm): queued asynchronous operations keep theirs).
     pub fn set_timeout(&self, d: Duration) {
+        let _turn = self.engine.turns.enter();
         self.timeout_ns
             .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
