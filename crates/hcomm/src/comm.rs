@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::{Engine, TurnGuard};
+use crate::history::{History, OpRecord};
 use std::time::{Duration, Instant};
 
 /// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
@@ -234,6 +235,8 @@ pub(crate) struct Inner {
     open_conns: HashSet<(usize, u32)>,
     /// Id of the last point-to-point message sent to each peer.
     p2p_ids: Vec<u64>,
+    /// The last operations, for hang reports.
+    history: History,
     /// Shared memory, when every rank of this communicator shares this host.
     shm: Option<crate::shm::ShmGroup>,
 }
@@ -538,6 +541,7 @@ impl Communicator {
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
                 p2p_ids: vec![0; size],
+                history: History::new(rank),
                 shm,
             }),
             _server: server,
@@ -745,6 +749,17 @@ impl Communicator {
         &self.engine
     }
 
+    /// The last operations this communicator finished (at most
+    /// [`HISTORY_LEN`](crate::history::HISTORY_LEN), oldest first), with how long each took and
+    /// how it ended. A timeout logs them as a hang report.
+    pub fn recent_operations(&self) -> Vec<OpRecord> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .history
+            .records()
+    }
+
     /// Number of open TCP links (both directions), for resource accounting.
     pub fn open_links(&self) -> usize {
         self.inner.lock().unwrap().links.open_links()
@@ -761,7 +776,9 @@ impl Communicator {
             inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
             _turn: turn,
         };
+        let mut inner = inner;
         let ctx = OpContext { op, seq: inner.seq };
+        inner.history.begin(&ctx);
         if self.aborted.load(Ordering::SeqCst) {
             return Err(Error::Aborted { ctx });
         }
@@ -784,6 +801,9 @@ impl Communicator {
     fn finish<T>(inner: &mut Inner, collective: bool, r: Result<T>) -> Result<T> {
         if collective {
             inner.seq += 1;
+        }
+        if let Some(report) = inner.history.end(r.as_ref().map(|_| ())) {
+            tracing::error!("{report}");
         }
         if let Err(e) = &r {
             if e.is_fatal() && inner.poisoned.is_none() {

@@ -24,6 +24,7 @@ pub mod dtype;
 mod engine;
 pub mod error;
 pub mod fusion;
+pub mod history;
 mod lent;
 pub mod reduce;
 pub mod shm;
