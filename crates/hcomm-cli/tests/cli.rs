@@ -505,3 +505,30 @@ fn soak_runs_random_operations_against_the_reference() {
         assert!(out.contains("0 wrong results"), "{out}");
     }
 }
+
+#[test]
+fn simulate_predicts_every_algorithm_at_scale() {
+    let (code, out, err) = hcomm(
+        &[
+            "simulate",
+            "--hosts",
+            "2048",
+            "--ranks-per-host",
+            "8",
+            "--sizes",
+            "1M,64M",
+            "--json",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 8, "{out}");
+    assert!(rows.iter().any(|r| r["algorithm"] == "hierarchical"));
+    assert!(rows.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0));
+    let (code, _, err) = hcomm(&["simulate", "--net-gbit", "0"], Duration::from_secs(30));
+    assert_eq!(code, Some(2), "{err}");
+}
