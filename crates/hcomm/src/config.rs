@@ -850,7 +850,8 @@ impl RankTable {
             return Err(table_err(count_message));
         }
 
-        let mut seen: Vec<Option<usize>> = vec![None; ws];
+        // Sized by the entries, never by `world_size` (which the file may set to anything).
+        let mut seen: HashMap<usize, usize> = HashMap::with_capacity(self.ranks.len());
         for (i, e) in self.ranks.iter().enumerate() {
             check_host(&e.host).map_err(|m| table_err(format!("ranks[{i}].host: {m}")))?;
             if e.host_id.as_ref().is_some_and(|h| h.trim().is_empty()) {
@@ -863,32 +864,42 @@ impl RankTable {
                     )));
                 }
             }
-            let Some(slot) = seen.get_mut(e.rank) else {
+            if e.rank >= ws {
                 return Err(table_err(format!(
                     "ranks[{i}].rank: rank {} is out of range for world size {ws}",
                     e.rank
                 )));
-            };
-            if let Some(j) = slot {
+            }
+            if let Some(j) = seen.insert(e.rank, i) {
                 return Err(table_err(format!(
                     "ranks[{i}].rank: duplicate rank {} (also at ranks[{j}])",
                     e.rank
                 )));
             }
-            *slot = Some(i);
         }
-        let missing: Vec<String> = seen
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.is_none())
-            .map(|(r, _)| r.to_string())
-            .collect();
-        if !missing.is_empty() {
-            let shown = missing.len().min(8);
-            let more = if missing.len() > shown { ", ..." } else { "" };
+        if self.ranks.len() < ws {
+            // Every listed rank is unique and below `ws`: exactly `ws - len` are missing. Name
+            // the first few, walking the gaps between the listed ranks.
+            let mut listed: Vec<usize> = seen.into_keys().collect();
+            listed.sort_unstable();
+            let mut missing = Vec::new();
+            let mut next = 0;
+            for r in listed.into_iter().chain(std::iter::once(ws)) {
+                while next < r && missing.len() <= 8 {
+                    missing.push(next.to_string());
+                    next += 1;
+                }
+                next = r.saturating_add(1);
+                if missing.len() > 8 {
+                    break;
+                }
+            }
+            let count = ws - self.ranks.len();
+            let shown = count.min(8);
+            let more = if count > shown { ", ..." } else { "" };
             return Err(table_err(format!(
                 "missing rank{} {}{more} ({count_message})",
-                if missing.len() == 1 { "" } else { "s" },
+                if count == 1 { "" } else { "s" },
                 missing[..shown].join(", "),
             )));
         }
@@ -1722,6 +1733,22 @@ mod tests {
             "rank table: ranks[3].local_rank: local_rank 2 is out of range for host '10.0.0.2', \
              which has 2 ranks (local ranks must be 0..2)"
         );
+    }
+
+    #[test]
+    fn rank_table_huge_world_size_allocates_nothing() {
+        // Checked against the entries, not by allocating world_size slots.
+        let huge = usize::MAX.to_string();
+        let json = edit("\"world_size\": 4", &format!("\"world_size\": {huge}"));
+        assert_eq!(
+            table_err_text(&json),
+            format!(
+                "rank table: missing ranks 4, 5, 6, 7, 8, 9, 10, 11, ... \
+                 (world_size is {huge} but 4 ranks are listed)"
+            )
+        );
+        let json = edit("{ \"rank\": 2,", &format!("{{ \"rank\": {},", u64::MAX));
+        assert_contains(&table_err_text(&json), &[".rank: rank 18446744073709551615 is out of range"]);
     }
 
     #[test]

@@ -1111,23 +1111,18 @@ impl TcpLinks {
                 }
                 continue;
             }
-            let raw: [u8; HEADER_LEN] = inb.ibuf[inb.ipos..inb.ipos + HEADER_LEN]
-                .try_into()
-                .unwrap();
-            let hdr = Header::decode(&raw).map_err(|msg| Error::Protocol {
+            let protocol = |msg: String| Error::Protocol {
                 ctx: ctx.clone(),
                 peer,
                 msg,
-            })?;
-            let len = hdr.len as usize;
-            let is_control = !matches!(hdr.kind, Kind::Collective | Kind::P2p);
-            if is_control && len != 0 {
-                return Err(Error::Protocol {
-                    ctx: ctx.clone(),
-                    peer,
-                    msg: format!("{:?} frame with a {len}-byte payload", hdr.kind),
-                });
-            }
+            };
+            // Control frames carry no payload and no length exceeds MAX_PAYLOAD (checked by
+            // decode); every length is then checked against the receive it is for.
+            let hdr = Header::decode_prefix(&inb.ibuf[inb.ipos..inb.iend])
+                .map_err(|e| protocol(e.to_string()))?;
+            let len = usize::try_from(hdr.len)
+                .map_err(|_| protocol(format!("{}-byte payload", hdr.len)))?;
+            let is_control = !hdr.kind.has_payload();
             if mode == Mode::Opportunistic {
                 let stashable = if is_control {
                     inb.room_for(0)
@@ -1153,13 +1148,41 @@ impl TcpLinks {
                     inb.cur = Some((Target::Recv(recvs[idx].id), len));
                 }
                 Kind::P2p => {
+                    // The sender puts the message size in both `count` and `len`.
+                    if hdr.count != hdr.len {
+                        return Err(protocol(format!(
+                            "point-to-point frame with tag {} carries {len} bytes but announces {}",
+                            hdr.tag, hdr.count
+                        )));
+                    }
                     if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
-                        recvs[idx].pending = Some(hdr);
-                        let id = recvs[idx].id;
-                        let t = if len == recvs[idx].sink.len() {
-                            Target::Recv(id)
+                        let r = &mut recvs[idx];
+                        let fits = len == r.sink.len();
+                        match r.expect {
+                            // The size was agreed (RTS / Ready): anything else is not our peer's
+                            // program.
+                            Expect::P2pData(_) if !fits => {
+                                return Err(protocol(format!(
+                                    "{len}-byte data with tag {} after agreeing on {} bytes",
+                                    hdr.tag,
+                                    r.sink.len()
+                                )));
+                            }
+                            // Eager data is never larger than EAGER_MAX (larger messages send
+                            // an RTS first); a smaller mismatch is discarded and reported.
+                            Expect::P2pFirst(_) if len > EAGER_MAX => {
+                                return Err(protocol(format!(
+                                    "{len}-byte message with tag {} sent without a handshake",
+                                    hdr.tag
+                                )));
+                            }
+                            _ => {}
+                        }
+                        r.pending = Some(hdr);
+                        let t = if fits {
+                            Target::Recv(r.id)
                         } else {
-                            Target::Discard(id)
+                            Target::Discard(r.id)
                         };
                         inb.cur = Some((t, len));
                     } else if len <= EAGER_MAX && inb.room_for(len) {
