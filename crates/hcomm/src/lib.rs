@@ -15,12 +15,14 @@
 #![warn(missing_docs)]
 
 pub mod algo;
+pub mod auth;
 pub mod bootstrap;
 mod collectives;
 pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod fuzzing;
 pub mod reduce;
 pub mod shm;
 pub mod testing;
