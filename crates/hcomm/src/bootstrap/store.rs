@@ -247,19 +247,26 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<Request>, ProtocolError>
 impl Request {
     /// Encode for the wire (the inverse of [`read_request`]).
     pub fn encode(&self) -> Vec<u8> {
-        let (op, key, arg): (u8, &[u8], Vec<u8>) = match self {
-            Request::Set { key, value } => (OP_SET, key, value.clone()),
-            Request::Get { key, timeout_ms } => (OP_GET, key, timeout_ms.to_le_bytes().to_vec()),
-            Request::Add { key, delta } => (OP_ADD, key, delta.to_le_bytes().to_vec()),
-            Request::Check { key } => (OP_CHECK, key, Vec::new()),
-            Request::Delete { key } => (OP_DEL, key, Vec::new()),
+        let word;
+        let (op, key, arg): (u8, &[u8], &[u8]) = match self {
+            Request::Set { key, value } => (OP_SET, key, value),
+            Request::Get { key, timeout_ms } => {
+                word = timeout_ms.to_le_bytes();
+                (OP_GET, key, &word)
+            }
+            Request::Add { key, delta } => {
+                word = delta.to_le_bytes();
+                (OP_ADD, key, &word)
+            }
+            Request::Check { key } => (OP_CHECK, key, &[]),
+            Request::Delete { key } => (OP_DEL, key, &[]),
         };
         let mut buf = Vec::with_capacity(9 + key.len() + arg.len());
         buf.push(op);
         buf.extend_from_slice(&(key.len() as u32).to_le_bytes());
         buf.extend_from_slice(key);
         buf.extend_from_slice(&(arg.len() as u32).to_le_bytes());
-        buf.extend_from_slice(&arg);
+        buf.extend_from_slice(arg);
         buf
     }
 
