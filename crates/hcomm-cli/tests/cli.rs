@@ -414,7 +414,10 @@ fn doctor_measures_every_pair() {
         "{out}"
     );
     assert!(
-        err.contains("bootstrap") && err.contains("fd limit") && err.contains("/dev/shm"),
+        err.contains("bootstrap")
+            && err.contains("fd limit")
+            && err.contains("/dev/shm")
+            && err.contains("a job token is set"),
         "{err}"
     );
 }

@@ -65,7 +65,10 @@ impl Cluster {
         ]);
         cmd.args(args)
             .env("HCOMM_TIMEOUT", "5s")
-            .env("HCOMM_JOB_TOKEN", format!("netns-test-{}", self.prefix))
+            .env(
+                "HCOMM_JOB_TOKEN",
+                format!("netns-test-job-token-{}", self.prefix),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

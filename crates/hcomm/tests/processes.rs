@@ -16,6 +16,8 @@ const LAUNCH_VARS: &[&str] = &[
     "HCOMM_MASTER_ADDR",
     "HCOMM_MASTER_PORT",
     "HCOMM_RANK_TABLE",
+    "HCOMM_JOB_TOKEN",
+    "HCOMM_TOKEN_FILE",
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
