@@ -28,6 +28,7 @@ mod lent;
 pub mod reduce;
 pub mod shm;
 pub mod testing;
+pub mod traffic;
 pub mod transport;
 mod window;
 
@@ -37,4 +38,5 @@ pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
 pub use engine::Work;
 pub use error::{Error, OpContext, Result};
+pub use traffic::OpTraffic;
 pub use window::{SharedMemory, Window};

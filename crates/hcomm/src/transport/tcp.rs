@@ -484,6 +484,10 @@ pub struct TcpLinks {
     op_timeout: Duration,
     /// poll(2) saw a connection waiting on the listener.
     listener_ready: bool,
+    /// Bytes written to the links' sockets (frame headers and payload), ever.
+    bytes_sent: u64,
+    /// Bytes read from the links' sockets (frame headers and payload), ever.
+    bytes_received: u64,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -535,7 +539,17 @@ impl TcpLinks {
             next_id: 1,
             op_timeout: Duration::ZERO,
             listener_ready: false,
+            bytes_sent: 0,
+            bytes_received: 0,
         }
+    }
+
+    /// Bytes written to and read from the links' sockets since they were made:
+    /// `(sent, received)`. Every frame counts, header included, as it passes through
+    /// `send(2)` / `recv(2)`; the connection handshakes (a 16-byte greeting and a 1-byte
+    /// adoption answer per link, once) do not.
+    pub fn bytes_moved(&self) -> (u64, u64) {
+        (self.bytes_sent, self.bytes_received)
     }
 
     /// Share the communicator's abort flag.
@@ -988,6 +1002,7 @@ impl TcpLinks {
                 Ok(0) => break,
                 Ok(n) => {
                     s.written += n;
+                    self.bytes_sent += n as u64;
                     progress = true;
                 }
                 Err(e) if would_block(&e) => break,
@@ -1081,6 +1096,7 @@ impl TcpLinks {
                     match (&inb.sock).read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
                         Ok(n) => {
+                            self.bytes_received += n as u64;
                             recvs[idx].direct_done(n);
                             inb.cur = Some((target, left - n));
                             progress = true;
@@ -1094,7 +1110,7 @@ impl TcpLinks {
                     }
                 }
                 inb.cur = Some((target, left));
-                if !fill(inb, ctx, peer, mode)? {
+                if !fill(inb, ctx, peer, mode, &mut self.bytes_received)? {
                     return Ok(progress);
                 }
                 continue;
@@ -1106,7 +1122,7 @@ impl TcpLinks {
                     inb.iend -= inb.ipos;
                     inb.ipos = 0;
                 }
-                if !fill(inb, ctx, peer, mode)? {
+                if !fill(inb, ctx, peer, mode, &mut self.bytes_received)? {
                     return Ok(progress);
                 }
                 continue;
@@ -1255,7 +1271,13 @@ fn match_collective(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]
 /// Read more into the link's input buffer: `Ok(true)` if bytes came. End of stream is an
 /// error when someone waits for this peer (`Posted`), and is only remembered otherwise (a peer
 /// that finished and left is no error until somebody needs it).
-fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<bool> {
+fn fill(
+    inb: &mut Inbound,
+    ctx: &OpContext,
+    peer: usize,
+    mode: Mode,
+    received: &mut u64,
+) -> Result<bool> {
     if inb.eof {
         return if mode == Mode::Posted {
             Err(closed(ctx, peer))
@@ -1274,6 +1296,7 @@ fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<b
         }
         Ok(n) => {
             inb.iend += n;
+            *received += n as u64;
             Ok(true)
         }
         Err(e) if would_block(&e) => Ok(false),
