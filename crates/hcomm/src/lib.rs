@@ -19,6 +19,7 @@ mod asynchronous;
 pub mod bootstrap;
 mod collectives;
 pub mod comm;
+pub mod compress;
 pub mod config;
 pub mod dtype;
 mod engine;
@@ -34,6 +35,7 @@ mod window;
 
 pub use algo::Algo;
 pub use comm::{Collective, Communicator, Connection};
+pub use compress::{CompressionState, Compressor, Density};
 pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
 pub use engine::Work;
