@@ -1,17 +1,20 @@
 //! Gradient compression: codec round trips and bounds (proptests), the compressed all-reduce
 //! against a local simulation (bitwise) and the exact sum (within each codec's bound) at 1–4
 //! ranks over TCP and shared memory, bitwise agreement between ranks, error feedback's
-//! conservation law, random-k's shared indices, measured byte reductions, and typed errors.
+//! conservation law, random-k's shared indices, measured byte reductions, fusion with
+//! compression, and typed errors.
 
 use hcomm::algo::even_segments;
 use hcomm::compress::{
     mix_seed, top_k_indices, Codec, Half, Int8Block, RandomK, SignBlock, SplitMix64, TopK,
 };
 use hcomm::config::TransportKind;
+use hcomm::fusion::{plan_buckets, Fusion, FusionOptions, TensorMut};
 use hcomm::testing::{free_port, local_config};
 use hcomm::{Communicator, OpTraffic};
 use hcomm::{CompressionState, Compressor, DType, Density, Error, ReduceOp};
 use proptest::prelude::*;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -701,4 +704,139 @@ fn async_form_and_state_misuse() {
         assert_eq!(x[0], 2.0);
         Ok(())
     });
+}
+
+// ---------- fusion ----------
+
+/// Tensors of a model: small ones (packed) and one large (direct), all f32.
+fn model(rank: usize, step: u64) -> Vec<Vec<f32>> {
+    [0usize, 3, 1000, 77, 40_000, 5, 300_000, 129]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| gradient(rank * 31 + k, n, step))
+        .collect()
+}
+
+#[test]
+fn fused_compression_equals_per_bucket_compression_with_state_kept_per_bucket() {
+    let opts = FusionOptions {
+        cap_bytes: 100_000,
+        first_bucket_bytes: 10_000,
+        direct_bytes: 1_000_000,
+    };
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for world in [1usize, 3] {
+            for comp in [
+                Compressor::None,
+                Compressor::Fp16,
+                Compressor::Int8 {
+                    block: 100,
+                    stochastic: false,
+                },
+                Compressor::Sign { block: 100 },
+                Compressor::TopK(Density::Fraction(0.1)),
+            ] {
+                ranks(world, transport, |c| {
+                    let fusion =
+                        Fusion::new(&c, ReduceOp::Mean, opts).with_compression(comp, true)?;
+                    let sizes: Vec<(DType, usize)> = model(0, 0)
+                        .iter()
+                        .map(|t| (DType::F32, 4 * t.len()))
+                        .collect();
+                    let plan = plan_buckets(&sizes, opts);
+                    let mut states: HashMap<Vec<usize>, CompressionState> = HashMap::new();
+                    for step in 0..3 {
+                        let mut fused = model(c.rank(), step);
+                        fusion.step(|b| {
+                            for t in fused.iter_mut() {
+                                b.push(t)?;
+                            }
+                            Ok(())
+                        })?;
+                        // The same buckets, packed by hand, each with its own state.
+                        let mut manual = model(c.rank(), step);
+                        for bucket in &plan {
+                            let mut packed: Vec<f32> = bucket
+                                .members
+                                .iter()
+                                .flat_map(|&i| manual[i].clone())
+                                .collect();
+                            let st = match states.entry(bucket.members.clone()) {
+                                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                                std::collections::hash_map::Entry::Vacant(e) => {
+                                    e.insert(CompressionState::new(comp)?)
+                                }
+                            };
+                            c.all_reduce_compressed(&mut packed, ReduceOp::Mean, st)?;
+                            let mut off = 0;
+                            for &i in &bucket.members {
+                                let len = manual[i].len();
+                                manual[i].copy_from_slice(&packed[off..off + len]);
+                                off += len;
+                            }
+                        }
+                        for (k, (f, m)) in fused.iter().zip(&manual).enumerate() {
+                            assert_eq!(bits(f), bits(m), "{comp}, step {step}, tensor {k}");
+                        }
+                    }
+                    let (buckets, bytes) = fusion.compression_memory();
+                    assert_eq!(buckets, if comp.is_lossy() { plan.len() } else { 0 });
+                    if comp.is_lossy() {
+                        assert!(bytes >= 4 * sizes.iter().map(|s| s.1 / 4).sum::<usize>());
+                    }
+                    Ok(())
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_random_k_agrees_across_ranks_and_fusion_refuses_bad_input() {
+    let comp = Compressor::RandomK {
+        density: Density::Fraction(0.2),
+        seed: 3,
+    };
+    let out = ranks(3, TransportKind::Auto, |c| {
+        let fusion = Fusion::new(&c, ReduceOp::Sum, FusionOptions::with_cap(50_000))
+            .with_compression(comp, true)?;
+        let mut m = model(c.rank(), 0);
+        fusion.step(|b| {
+            for t in m.iter_mut() {
+                b.push(t)?;
+            }
+            Ok(())
+        })?;
+        // Compression takes f32 tensors only; a bf16 tensor is refused at push.
+        let mut h = vec![half::bf16::ONE; 10];
+        let mut f = vec![1.0f32; 10];
+        let fp16 = Fusion::new(&c, ReduceOp::Sum, FusionOptions::default())
+            .with_compression(Compressor::Fp16, true)?;
+        let e = fp16
+            .step(|b| {
+                b.push(&mut f)?;
+                b.push(TensorMut::new(&mut h[..]))
+            })
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("tensor #1") && e.to_string().contains("bfloat16"),
+            "{e}"
+        );
+        assert_eq!(f, vec![3.0; 10], "the f32 tensor pushed before was reduced");
+        // Without a lossy compressor every dtype goes through.
+        Fusion::new(&c, ReduceOp::Sum, FusionOptions::default())
+            .with_compression(Compressor::None, true)?
+            .step(|b| b.push(TensorMut::new(&mut h[..])))?;
+        assert!(h.iter().all(|x| x.to_f32() == 3.0));
+        let e = Fusion::new(&c, ReduceOp::Max, FusionOptions::default())
+            .with_compression(Compressor::Fp16, true)
+            .unwrap_err();
+        assert!(e.to_string().contains("max"), "{e}");
+        Ok(m)
+    });
+    for m in &out[1..] {
+        for (a, b) in m.iter().zip(&out[0]) {
+            assert_eq!(bits(a), bits(b));
+        }
+    }
 }
