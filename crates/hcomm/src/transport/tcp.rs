@@ -486,7 +486,7 @@ pub struct TcpLinks {
     listener_ready: bool,
     /// Bytes written to the links' sockets (frame headers and payload), ever.
     bytes_sent: u64,
-    /// Bytes read from the links' sockets (frame headers and payload), ever.
+    /// Bytes of frames (headers and payload) taken from the links, ever.
     bytes_received: u64,
 }
 
@@ -545,9 +545,11 @@ impl TcpLinks {
     }
 
     /// Bytes written to and read from the links' sockets since they were made:
-    /// `(sent, received)`. Every frame counts, header included, as it passes through
-    /// `send(2)` / `recv(2)`; the connection handshakes (a 16-byte greeting and a 1-byte
-    /// adoption answer per link, once) do not.
+    /// `(sent, received)`. Every frame counts, header included: sent bytes when `send(2)`
+    /// takes them, received bytes when the frame's header and payload are taken from the
+    /// socket or from the link's read-ahead buffer (so bytes read ahead during one operation
+    /// count for the operation whose frame they belong to). The connection handshakes (a
+    /// 16-byte greeting and a 1-byte adoption answer per link, once) do not count.
     pub fn bytes_moved(&self) -> (u64, u64) {
         (self.bytes_sent, self.bytes_received)
     }
@@ -1085,6 +1087,7 @@ impl TcpLinks {
                         Target::Discard(_) => {}
                     }
                     inb.ipos += n;
+                    self.bytes_received += n as u64;
                     inb.cur = Some((target, left - n));
                     progress = true;
                     continue;
@@ -1110,7 +1113,7 @@ impl TcpLinks {
                     }
                 }
                 inb.cur = Some((target, left));
-                if !fill(inb, ctx, peer, mode, &mut self.bytes_received)? {
+                if !fill(inb, ctx, peer, mode)? {
                     return Ok(progress);
                 }
                 continue;
@@ -1122,7 +1125,7 @@ impl TcpLinks {
                     inb.iend -= inb.ipos;
                     inb.ipos = 0;
                 }
-                if !fill(inb, ctx, peer, mode, &mut self.bytes_received)? {
+                if !fill(inb, ctx, peer, mode)? {
                     return Ok(progress);
                 }
                 continue;
@@ -1156,6 +1159,7 @@ impl TcpLinks {
                 }
             }
             inb.ipos += HEADER_LEN;
+            self.bytes_received += HEADER_LEN as u64;
             progress = true;
             let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
                 recvs
@@ -1271,13 +1275,7 @@ fn match_collective(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]
 /// Read more into the link's input buffer: `Ok(true)` if bytes came. End of stream is an
 /// error when someone waits for this peer (`Posted`), and is only remembered otherwise (a peer
 /// that finished and left is no error until somebody needs it).
-fn fill(
-    inb: &mut Inbound,
-    ctx: &OpContext,
-    peer: usize,
-    mode: Mode,
-    received: &mut u64,
-) -> Result<bool> {
+fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<bool> {
     if inb.eof {
         return if mode == Mode::Posted {
             Err(closed(ctx, peer))
@@ -1296,7 +1294,6 @@ fn fill(
         }
         Ok(n) => {
             inb.iend += n;
-            *received += n as u64;
             Ok(true)
         }
         Err(e) if would_block(&e) => Ok(false),
