@@ -287,10 +287,12 @@ impl Codec for Int8Block {
 
 /// 1-bit sign compression with one f32 scale per block (signSGD with a magnitude, as in
 /// 1-bit Adam): each element travels as its sign, each block as the mean magnitude of its
-/// elements `s = sum|x| / len`; an element decodes as `+s` (x >= 0) or `-s`.
+/// elements `s = sum|x| / len`; an element decodes as `+s` (sign bit clear) or `-s`.
 ///
 /// Wire: `ceil(n / block)` scales (4 bytes each), then `ceil(n / 8)` bytes of sign bits
-/// (bit `i % 8` of byte `i / 8`, 1 = non-negative).
+/// (bit `i % 8` of byte `i / 8`, 1 = sign bit clear).
+///
+/// Zero and -0.0 follow their sign bit (+0 is positive, -0 negative).
 ///
 /// Bound: `|x - decode(encode(x))| = ||x| - s| <= m` for a block of largest magnitude `m`;
 /// `s` is the scale that minimises the block's squared error for those signs, and the
@@ -326,11 +328,11 @@ impl Codec for SignBlock {
             let s = xb.iter().map(|v| v.abs()).sum::<f32>() / xb.len() as f32;
             sb.copy_from_slice(&s.to_ne_bytes());
         }
+        // Bit = 1 - the sign bit (so -0.0 counts as negative).
         for (xb, byte) in x.chunks(8).zip(bits.iter_mut()) {
-            *byte = xb
-                .iter()
-                .enumerate()
-                .fold(0u8, |acc, (i, &v)| acc | (u8::from(!(v < 0.0)) << i));
+            *byte = xb.iter().enumerate().fold(0u8, |acc, (i, &v)| {
+                acc | ((((v.to_bits() >> 31) ^ 1) as u8) << i)
+            });
         }
         Ok(())
     }
@@ -340,12 +342,13 @@ impl Codec for SignBlock {
         check_encoded("sign", bytes.len(), self.encoded_len(n), n)?;
         let (scales, bits) = bytes.split_at(4 * n.div_ceil(self.block));
         for (b, (ob, sb)) in out.chunks_mut(self.block).zip(scales.chunks(4)).enumerate() {
-            let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes"));
+            let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes")).to_bits();
             let base = b * self.block;
             for (j, o) in ob.iter_mut().enumerate() {
                 let i = base + j;
-                let positive = (bits[i / 8] >> (i % 8)) & 1 == 1;
-                *o += if positive { s } else { -s };
+                // Bit 0 flips the scale's sign bit (no branch).
+                let negative = (((bits[i / 8] >> (i % 8)) & 1) ^ 1) as u32;
+                *o += f32::from_bits(s ^ (negative << 31));
             }
         }
         Ok(())
