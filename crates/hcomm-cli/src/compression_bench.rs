@@ -183,7 +183,8 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
         let none_sent = rows
             .iter()
             .find(|r| r.compressor == "none")
-            .map(|r| r.wire_bytes_sent);
+            .map(|r| r.wire_bytes_sent)
+            .filter(|&b| b > 0);
         let row = CompressionRow {
             compressor: comp.to_string(),
             transport: transport.into(),

@@ -247,19 +247,24 @@ impl Codec for Int8Block {
                 cb.fill(0);
                 continue;
             }
-            // `t + 128 + r` is positive for t in [-127, 127], so `as i32` is floor.
+            // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
+            // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
+            // flipped is the code as an i8. (x * (1 / s) instead of x / s: two roundings of
+            // 2^-24, inside the bound's slack.)
+            let inv = 1.0 / s;
             match &mut self.rng {
                 None => {
                     for (c, &v) in cb.iter_mut().zip(xb) {
-                        let q = ((v / s + 128.5) as i32 - 128).clamp(-127, 127);
-                        *c = q as i8 as u8;
+                        // floor(t + 128.5) in 1..=255 (0 only for NaN): the code + 128.
+                        let q = ((v * inv + 128.5) as u8).max(1);
+                        *c = q ^ 0x80;
                     }
                 }
                 Some(rng) => {
                     for (c, &v) in cb.iter_mut().zip(xb) {
                         let u = rng.next_unit_f32();
-                        let q = ((v / s + 128.0 + u) as i32 - 128).clamp(-127, 127);
-                        *c = q as i8 as u8;
+                        let q = ((v * inv + 128.0 + u) as u8).max(1);
+                        *c = q ^ 0x80;
                     }
                 }
             }
