@@ -287,7 +287,7 @@ pub fn run(comm: &Arc<Communicator>, o: &FusionBenchOpts) -> Result<Vec<FusionRo
     )?;
     emit(
         FusionRow {
-            mode: format!("small only: per-tensor ({} KiB)", small_floats * 4 >> 10),
+            mode: format!("small only: per-tensor ({} KiB)", (small_floats * 4) >> 10),
             cap_mib: None,
             collectives: calls,
             ms_per_step: small_per_tensor / 10.0,

@@ -385,7 +385,8 @@ fn join_for_bench(transport: &str) -> Result<Communicator, String> {
 }
 
 fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
-    if !(a.scale > 0.0) || a.caps.iter().any(|&c| !(c > 0.0)) {
+    let not_positive = |x: f64| x.is_nan() || x <= 0.0;
+    if not_positive(a.scale) || a.caps.iter().any(|&c| not_positive(c)) {
         hcomm_cli::say!("hcomm bench fusion: --scale and --caps must be positive");
         return ExitCode::from(2);
     }
