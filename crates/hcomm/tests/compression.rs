@@ -808,7 +808,7 @@ fn fused_random_k_agrees_across_ranks_and_fusion_refuses_bad_input() {
             Ok(())
         })?;
         // Compression takes f32 tensors only; a bf16 tensor is refused at push.
-        let mut h = vec![half::bf16::ONE; 10];
+        let mut h = [half::bf16::ONE; 10];
         let mut f = vec![1.0f32; 10];
         let fp16 = Fusion::new(&c, ReduceOp::Sum, FusionOptions::default())
             .with_compression(Compressor::Fp16, true)?;
