@@ -6,11 +6,13 @@
 //! * Shared memory: payload bytes this rank copies into the communicator's segment (and the
 //!   reduced slices it computes in place there, once each), and bytes it copies or reduces out
 //!   of it. Control words (arrival counters, fingerprints) are not counted.
+//! * Not counted: shared-memory windows ([`Communicator::all_reduce_window`] works in
+//!   user-allocated windows; only its barriers count).
 //!
 //! The transports keep plain counters (a field increment per `send`/`recv` call or copy, no
 //! atomics, no locks); when an operation ends, the difference since it started is added to
 //! the row of its name. An operation built from others (a compressed all-reduce, the
-//! hierarchical all-reduce) names its row for all of them, through a [`TrafficScope`].
+//! hierarchical all-reduce) names its row for all of them, through a scope.
 
 use std::cell::Cell;
 

@@ -9,8 +9,8 @@
 //! | [`Compressor`] | on the wire (per rank) | how it is reduced | round-trip bound |
 //! |---|---|---|---|
 //! | `Fp16`, `Bf16` | 2 bytes / element | ring / shm all-reduce in f16 (bf16): every step adds in f32 and rounds once | relative 2^-11 (2^-8) per rounding |
-//! | `Int8 { block }` | 1 byte / element + 4 bytes / block | all-to-all of chunks, sum in f32, re-encode, all-gather | `max|block| / 254` |
-//! | `Sign { block }` | 1 bit / element + 4 bytes / block | same as int8 | `max|block|` |
+//! | `Int8 { block }` | 1 byte / element + 4 bytes / block | all-to-all of chunks, sum in f32, re-encode, all-gather | m / 254, m = largest magnitude of the block |
+//! | `Sign { block }` | 1 bit / element + 4 bytes / block | same as int8 | m |
 //! | `TopK(k)` | 8 bytes per kept element | all-gather of (index, value) pairs, summed in f32 | exact for kept, 0 else |
 //! | `RandomK { k, seed }` | 4 bytes per kept element | dense all-reduce of the k values (same indices on every rank) | exact for kept, 0 else |
 //!
@@ -33,6 +33,22 @@
 //!
 //! `ReduceOp::Mean` is the sum divided by the number of ranks in f32 after decoding; other
 //! operators are refused.
+//!
+//! ```no_run
+//! use hcomm::{Communicator, CompressionState, Compressor, Density, ReduceOp};
+//! let comm = Communicator::from_env()?;
+//! // One state per tensor, kept from step to step (it holds the residual).
+//! let mut state = CompressionState::new(Compressor::TopK(Density::Fraction(0.01)))?;
+//! let mut grad = vec![0.5f32; 1 << 20];
+//! comm.all_reduce_compressed(&mut grad, ReduceOp::Mean, &mut state)?;
+//! let sent: u64 = comm
+//!     .traffic()
+//!     .iter()
+//!     .filter(|t| t.op == "all_reduce_compressed")
+//!     .map(|t| t.bytes_sent())
+//!     .sum();
+//! # Ok::<(), hcomm::Error>(())
+//! ```
 
 pub mod codec;
 mod rng;
