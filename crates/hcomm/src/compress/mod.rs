@@ -254,10 +254,17 @@ impl FromStr for Compressor {
                 Ok(c)
             }
         };
+        let plain = |c: Compressor| {
+            if arg.is_some() {
+                Err(format!("compressor '{s}' takes no parameter"))
+            } else {
+                Ok(c)
+            }
+        };
         let c = match name {
-            "none" | "f32" | "fp32" => no_more(Compressor::None)?,
-            "fp16" | "f16" | "half" => no_more(Compressor::Fp16)?,
-            "bf16" | "bfloat16" => no_more(Compressor::Bf16)?,
+            "none" | "f32" | "fp32" => plain(Compressor::None)?,
+            "fp16" | "f16" | "half" => plain(Compressor::Fp16)?,
+            "bf16" | "bfloat16" => plain(Compressor::Bf16)?,
             "int8" | "int8sr" => no_more(Compressor::Int8 {
                 block: block(DEFAULT_INT8_BLOCK)?,
                 stochastic: name == "int8sr",
