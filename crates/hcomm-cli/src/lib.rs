@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod compression_bench;
 pub mod demo;
 pub mod doctor;
 pub mod fusion_bench;

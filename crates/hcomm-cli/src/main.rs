@@ -166,7 +166,8 @@ struct SimulateArgs {
 #[derive(Args)]
 struct BenchArgs {
     /// allreduce, allgather, reducescatter, broadcast, reduce, gather, scatter, alltoall, barrier, sendrecv,
-    /// or fusion (per-tensor vs fused vs overlapped all-reduce of BERT-base's gradients)
+    /// fusion (per-tensor vs fused vs overlapped all-reduce of BERT-base's gradients),
+    /// or compression (each gradient compressor: measured wire bytes, time, error)
     op: String,
     /// Start this many local ranks (omit when running under a launcher).
     #[arg(long = "np")]
@@ -222,9 +223,18 @@ struct BenchArgs {
     /// allreduce: keep the buffers in a shared window and run the zero-copy window all-reduce.
     #[arg(long)]
     window: bool,
-    /// fusion: timed steps per mode (the median is reported).
+    /// fusion, compression: timed steps (calls) per mode (the median is reported).
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// compression: f32 gradient size per rank in bytes (K/M/G suffixes).
+    #[arg(long, default_value = "100M", value_parser = parse_size)]
+    size: usize,
+    /// compression: comma-separated compressors (none, fp16, bf16, int8[:BLOCK], int8sr[:BLOCK], sign[:BLOCK], topk:K|P%, randk:K|P%[:SEED]).
+    #[arg(long, value_delimiter = ',', default_value = hcomm_cli::compression_bench::DEFAULT_COMPRESSORS)]
+    compressors: Vec<String>,
+    /// compression: turn error feedback off.
+    #[arg(long)]
+    no_error_feedback: bool,
     /// fusion: bucket caps of the sweep, in MiB.
     #[arg(long, default_value = "1,4,25,100", value_delimiter = ',')]
     caps: Vec<f64>,
@@ -528,12 +538,52 @@ fn cmd_simulate(a: SimulateArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+fn cmd_bench_compression(a: BenchArgs) -> ExitCode {
+    let compressors: Result<Vec<hcomm::Compressor>, String> =
+        a.compressors.iter().map(|c| c.parse()).collect();
+    let compressors = match compressors {
+        Ok(c) if a.size >= 4 => c,
+        Ok(_) => {
+            hcomm_cli::say!("hcomm bench compression: --size must be at least 4 bytes");
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench compression: --compressors: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let comm = match join_for_bench(&a.transport) {
+        Ok(c) => c,
+        Err(e) => {
+            hcomm_cli::say!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let o = hcomm_cli::compression_bench::CompressionBenchOpts {
+        bytes: a.size,
+        steps: a.steps,
+        compressors,
+        error_feedback: !a.no_error_feedback,
+        json: a.json,
+    };
+    match hcomm_cli::compression_bench::run(&comm, &o) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench compression: rank {}: {e}", comm.rank());
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn cmd_bench(a: BenchArgs) -> ExitCode {
     if let (Some(np), false) = (a.np, in_job()) {
         return exit(spawn_self(np, args_without(&["--np", "-np"])));
     }
     if a.op == "fusion" {
         return cmd_bench_fusion(a);
+    }
+    if a.op == "compression" {
+        return cmd_bench_compression(a);
     }
     let parsed = (|| -> Result<BenchOpts, String> {
         Ok(BenchOpts {

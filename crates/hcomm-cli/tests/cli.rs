@@ -192,6 +192,57 @@ fn bench_prints_the_nccl_tests_columns_and_json() {
 }
 
 #[test]
+fn bench_compression_measures_every_compressor() {
+    let (code, out, err) = hcomm(
+        &[
+            "bench",
+            "compression",
+            "-np",
+            "2",
+            "--transport",
+            "tcp",
+            "--size",
+            "1M",
+            "--steps",
+            "2",
+            "--compressors",
+            "none,int8,topk:1%",
+            "--json",
+        ],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    let sent = |i: usize| rows[i]["wire_bytes_sent"].as_f64().unwrap();
+    // 2 ranks, ring: each rank sends the 1 MiB vector once (plus headers).
+    assert!((1048576.0..1060000.0).contains(&sent(0)), "{out}");
+    assert!(sent(1) < sent(0) / 3.5 && sent(2) < sent(0) / 10.0, "{out}");
+    assert_eq!(rows[0]["rel_l2_error"].as_f64().unwrap(), 0.0, "{out}");
+    assert!(rows[1]["rel_l2_error"].as_f64().unwrap() < 0.01, "{out}");
+    for r in &rows {
+        assert_eq!(r["transport"], "tcp");
+        assert!(r["ms_per_call"].as_f64().unwrap() > 0.0);
+    }
+    let (code, _, err) = hcomm(
+        &[
+            "bench",
+            "compression",
+            "-np",
+            "2",
+            "--compressors",
+            "int8:0",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("block size 0"), "{err}");
+}
+
+#[test]
 fn run_propagates_the_exit_code_of_a_failing_rank() {
     let (code, _, err) = hcomm(
         &[

@@ -130,6 +130,9 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let h = self.hierarchy()?;
+        // The sub-communicators' bytes count as this all-reduce's (declared before the lock,
+        // so it ends after it).
+        let _traffic = crate::traffic::TrafficScope::enter(self, "all_reduce");
         // The parent's lock: abort and poisoning apply, calls stay serialised, a failure poisons.
         let (mut inner, _ctx) = self.lock("all_reduce")?;
         let result = (|| {

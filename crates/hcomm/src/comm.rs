@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::{Engine, TurnGuard};
 use crate::history::{History, OpRecord};
+use crate::traffic::{current_label, Counters, OpTraffic, TrafficTable};
 use std::time::{Duration, Instant};
 
 /// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
@@ -240,6 +241,22 @@ pub(crate) struct Inner {
     history: History,
     /// Shared memory, when every rank of this communicator shares this host.
     shm: Option<crate::shm::ShmGroup>,
+    /// Bytes moved per operation kind (see [`Communicator::traffic`]).
+    traffic: TrafficTable,
+}
+
+impl Inner {
+    /// The transports' byte counters now.
+    fn counters(&self) -> Counters {
+        let (tcp_sent, tcp_received) = self.links.bytes_moved();
+        let (shm_written, shm_read) = self.shm.as_ref().map_or((0, 0), |g| g.bytes_moved());
+        Counters {
+            tcp_sent,
+            tcp_received,
+            shm_written,
+            shm_read,
+        }
+    }
 }
 
 /// A group of ranks that run collectives together.
@@ -295,6 +312,22 @@ pub struct Communicator {
 pub(crate) struct OpGuard<'a> {
     inner: MutexGuard<'a, Inner>,
     _turn: Option<TurnGuard>,
+    /// The operation's name and the transport counters when it started (`None` when it was
+    /// refused before starting): the bytes it moved are counted when the guard drops.
+    traffic: Option<(&'static str, Counters)>,
+}
+
+impl Drop for OpGuard<'_> {
+    fn drop(&mut self) {
+        if let Some((op, start)) = self.traffic.take() {
+            let moved = self.inner.counters().since(start);
+            match current_label() {
+                // Part of a compound operation, which counts the call itself.
+                Some(label) => self.inner.traffic.add(label, 0, moved),
+                None => self.inner.traffic.add(op, 1, moved),
+            }
+        }
+    }
 }
 
 impl std::ops::Deref for OpGuard<'_> {
@@ -574,6 +607,7 @@ impl Communicator {
                 p2p_ids: vec![0; size],
                 history: History::new(rank),
                 shm,
+                traffic: TrafficTable::default(),
             }),
             _server: server,
             transport,
@@ -822,6 +856,58 @@ impl Communicator {
             .records()
     }
 
+    /// Bytes this rank moved, per kind of operation, since the communicator was made or
+    /// [`reset_traffic`](Self::reset_traffic) was last called (rows in the order operations
+    /// first ran). See [`crate::traffic`] for what counts: TCP bytes written to / read from
+    /// sockets (headers included), shared-memory bytes copied into / out of the segment.
+    ///
+    /// An operation built from others is one row: a compressed all-reduce counts its
+    /// all-to-all and all-gather under `all_reduce_compressed`, the hierarchical all-reduce
+    /// counts its sub-communicators' bytes under `all_reduce`. Waits for an operation in
+    /// progress on another thread to finish.
+    pub fn traffic(&self) -> Vec<OpTraffic> {
+        let mut table = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .traffic
+            .clone();
+        if let Some(h) = self.hierarchy_if_made() {
+            table.add_bytes_of(&h.within.traffic());
+            table.add_bytes_of(&h.across.traffic());
+        }
+        table.rows()
+    }
+
+    /// Zero the counters of [`traffic`](Self::traffic).
+    pub fn reset_traffic(&self) {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .traffic
+            .clear();
+        if let Some(h) = self.hierarchy_if_made() {
+            h.within.reset_traffic();
+            h.across.reset_traffic();
+        }
+    }
+
+    /// Count one call of the compound operation `op` (its bytes are counted by its parts).
+    pub(crate) fn count_call(&self, op: &'static str) {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .traffic
+            .add(op, 1, Counters::default());
+    }
+
+    fn hierarchy_if_made(&self) -> Option<Arc<Hierarchy>> {
+        self.hierarchy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Number of open TCP links (both directions), for resource accounting.
     pub fn open_links(&self) -> usize {
         self.inner.lock().unwrap().links.open_links()
@@ -834,11 +920,11 @@ impl Communicator {
     /// communicator was aborted or poisoned.
     pub(crate) fn lock(&self, op: &'static str) -> Result<(OpGuard<'_>, OpContext)> {
         let turn = self.engine.turns.enter();
-        let inner = OpGuard {
+        let mut inner = OpGuard {
             inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
             _turn: turn,
+            traffic: None,
         };
-        let mut inner = inner;
         let ctx = OpContext { op, seq: inner.seq };
         inner.history.begin(&ctx);
         if self.aborted.load(Ordering::SeqCst) {
@@ -850,6 +936,7 @@ impl Communicator {
                 first: first.clone(),
             });
         }
+        inner.traffic = Some((op, inner.counters()));
         Ok((inner, ctx))
     }
 

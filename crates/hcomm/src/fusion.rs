@@ -19,12 +19,19 @@
 //! [`FusionOptions::direct_bytes`] (1 MiB by default) are not packed: each is all-reduced in
 //! place, in its turn, with no copy — their start-up cost is negligible against their
 //! transfer time anyway. Every rank must push the same tensors in the same order.
+//!
+//! With [`Fusion::with_compression`], every bucket (packed or direct) is all-reduced with
+//! [`Communicator::all_reduce_compressed`]; each bucket keeps its own
+//! [`CompressionState`] (residual) from step to step, keyed by its tensors (their positions in
+//! the step) and its size, so the residual of a bucket is carried over as long as the same
+//! tensors form the same bucket.
 
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use crate::comm::Communicator;
+use crate::compress::{CompressionState, Compressor};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::Work;
 use crate::error::{Error, Result};
@@ -291,6 +298,23 @@ pub struct Fusion {
     op: ReduceOp,
     opts: FusionOptions,
     pool: BufferPool,
+    /// The state a new bucket starts from, when buckets are compressed.
+    compression: Option<CompressionState>,
+    /// Each bucket's compression state between steps.
+    states: Mutex<HashMap<StateKey, CompressionState>>,
+}
+
+/// A bucket's identity from step to step: its members (positions in the step) and bytes.
+type StateKey = (Vec<usize>, usize);
+
+/// A stable hash of a bucket's identity (mixed into random-k's seed; the same on every rank).
+fn key_hash(key: &StateKey) -> u64 {
+    key.0
+        .iter()
+        .chain(std::iter::once(&key.1))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &v| {
+            (h ^ v as u64).wrapping_mul(0x0100_0000_01b3)
+        })
 }
 
 impl Fusion {
@@ -301,7 +325,60 @@ impl Fusion {
             op,
             opts,
             pool: BufferPool::new(),
+            compression: None,
+            states: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// All-reduce every bucket compressed with `compressor`, with or without error feedback
+    /// (see [`crate::compress`]). Every tensor pushed must then be f32, and the reduction
+    /// `Sum` or `Mean`; a bad compressor parameter or another reduction is an
+    /// [`Error::InvalidArgument`]. `Compressor::None` runs the plain all-reduce (any dtype).
+    pub fn with_compression(
+        mut self,
+        compressor: Compressor,
+        error_feedback: bool,
+    ) -> Result<Fusion> {
+        if !matches!(self.op, ReduceOp::Sum | ReduceOp::Mean) {
+            return Err(Error::invalid(
+                "fusion",
+                0,
+                format!(
+                    "compressed buckets are summed or averaged; this Fusion reduces with {}",
+                    self.op
+                ),
+            ));
+        }
+        self.compression =
+            Some(CompressionState::new(compressor)?.with_error_feedback(error_feedback));
+        self.states
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        Ok(self)
+    }
+
+    /// The compressor of the buckets, if any.
+    pub fn compressor(&self) -> Option<Compressor> {
+        self.compression.as_ref().map(|s| s.compressor())
+    }
+
+    /// Forget every bucket's residual (e.g. when the model changes).
+    pub fn reset_compression(&self) {
+        self.states
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Buckets with a compression state kept between steps, and the bytes their residuals
+    /// hold.
+    pub fn compression_memory(&self) -> (usize, usize) {
+        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            states.len(),
+            states.values().map(|s| s.memory_bytes()).sum(),
+        )
     }
 
     /// The staging buffers kept between steps.
@@ -349,8 +426,8 @@ impl Fusion {
 }
 
 /// What a bucket's all-reduce hands back: the staging buffer of a packed bucket (returned to
-/// the pool), nothing for a tensor reduced in place.
-type BucketWork = Work<Option<Vec<u8>>>;
+/// the pool), nothing for a tensor reduced in place; and the bucket's compression state.
+type BucketWork = Work<(Option<Vec<u8>>, Option<(StateKey, CompressionState)>)>;
 
 /// Takes tensors for one [`Fusion::step`] and launches their buckets.
 ///
@@ -368,10 +445,24 @@ pub struct Bucketer<'scope, 'env> {
 impl<'scope, 'env> Bucketer<'scope, 'env> {
     /// Add a ready tensor; launches a bucket when this fills one (or the tensor itself when it
     /// is at least [`FusionOptions::direct_bytes`]).
+    ///
+    /// With compression, a tensor that is not f32 is refused ([`Error::InvalidArgument`]; the
+    /// tensor is not taken and nothing is launched for it).
     pub fn push(&mut self, tensor: impl Into<TensorMut<'env>>) -> Result<()> {
         let t = tensor.into();
         let (dtype, bytes) = (t.dtype, t.bytes.len());
         let index = self.tensors.len();
+        if let Some(c) = self.fusion.compressor().filter(|c| c.is_lossy()) {
+            if dtype != DType::F32 {
+                return Err(Error::invalid(
+                    "fusion",
+                    0,
+                    format!(
+                        "compressor {c} takes f32 tensors; tensor #{index} of this step is {dtype}"
+                    ),
+                ));
+            }
+        }
         self.tensors.push(Some(t));
         for b in self.planner.add(index, dtype, bytes) {
             self.launch(b);
@@ -393,6 +484,31 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
 
     fn launch(&mut self, bucket: Bucket) {
         let (dtype, op) = (bucket.dtype, self.fusion.op);
+        let lossy = self
+            .fusion
+            .compression
+            .as_ref()
+            .filter(|s| s.compressor().is_lossy());
+        let mut comp = lossy.map(|fresh| {
+            let key: StateKey = (bucket.members.clone(), bucket.bytes);
+            let state = self
+                .fusion
+                .states
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key)
+                .unwrap_or_else(|| fresh.clone().with_key(key_hash(&key)));
+            (key, state)
+        });
+        let reduce = move |c: &Communicator,
+                           buf: &mut [u8],
+                           comp: &mut Option<(StateKey, CompressionState)>|
+              -> Result<()> {
+            match comp {
+                Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
+                None => c.all_reduce_bytes(None, buf, dtype, op),
+            }
+        };
         let work = if bucket.direct {
             let t = self.tensors[bucket.members[0]]
                 .as_mut()
@@ -402,8 +518,8 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             // `Fusion::step` always calls `finish`, and the bucketer cannot leave the step.
             let mut lent = unsafe { LentBuf::new(t.bytes) };
             self.fusion.comm.run_async("all_reduce", move |c| {
-                c.all_reduce_bytes(None, lent.as_mut(), dtype, op)?;
-                Ok(None)
+                reduce(c, lent.as_mut(), &mut comp)?;
+                Ok((None, comp))
             })
         } else {
             let mut buf = self.fusion.pool.take(bucket.bytes);
@@ -414,8 +530,8 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
                 buf.extend_from_slice(t.bytes);
             }
             self.fusion.comm.run_async("all_reduce", move |c| {
-                c.all_reduce_bytes(None, &mut buf, dtype, op)?;
-                Ok(Some(buf))
+                reduce(c, &mut buf, &mut comp)?;
+                Ok((Some(buf), comp))
             })
         };
         self.launched += 1;
@@ -428,7 +544,17 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
         self.flush();
         let mut first_err = None;
         while let Some((bucket, work)) = self.in_flight.pop_front() {
-            match work.wait() {
+            let result = work.wait().map(|(buf, comp)| {
+                if let Some((key, state)) = comp {
+                    self.fusion
+                        .states
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(key, state);
+                }
+                buf
+            });
+            match result {
                 Ok(Some(buf)) => {
                     let mut off = 0;
                     for &i in &bucket.members {

@@ -128,6 +128,10 @@ pub struct ShmGroup {
     pidns: u32,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
+    /// Payload bytes this rank copied into the segment (see [`ShmGroup::bytes_moved`]).
+    written: u64,
+    /// Payload bytes this rank copied or reduced out of the segment.
+    read: u64,
 }
 
 /// What a rank needs to time out and name peers while it waits.
@@ -201,7 +205,39 @@ impl ShmGroup {
             pidns,
             policy,
             abort,
+            written: 0,
+            read: 0,
         }
+    }
+
+    /// Payload bytes this rank moved through the segment since it was mapped:
+    /// `(written, read)`. Written: bytes copied into the segment, plus the bytes of a reduced
+    /// slice a rank computes in place in the segment (counted once, however many inputs it
+    /// combines). Read: bytes copied out of the segment, plus every peer's contribution a
+    /// reduction reads in place. A rank's own block counts when the algorithm routes it
+    /// through the segment. Control words (arrival counters, fingerprints) do not count.
+    pub fn bytes_moved(&self) -> (u64, u64) {
+        (self.written, self.read)
+    }
+
+    /// Copy `src` into the segment at `off`, counted.
+    ///
+    /// # Safety
+    /// As for [`Segment::write`].
+    unsafe fn put(&mut self, off: usize, src: &[u8]) {
+        self.written += src.len() as u64;
+        // SAFETY: the caller's obligation (see `Segment::write`).
+        unsafe { self.seg.write(off, src) }
+    }
+
+    /// Copy bytes at `off` out of the segment into `dst`, counted.
+    ///
+    /// # Safety
+    /// As for [`Segment::read`].
+    unsafe fn get(&mut self, off: usize, dst: &mut [u8]) {
+        self.read += dst.len() as u64;
+        // SAFETY: the caller's obligation (see `Segment::read`).
+        unsafe { self.seg.read(off, dst) }
     }
 
     /// Remove the segment's name (after every local rank attached).
@@ -443,13 +479,14 @@ impl ShmGroup {
             };
             // SAFETY: slot (me, par) is this rank's: peers last read it in the call before the
             // previous one, and every peer arrived at the previous call after finishing that.
-            unsafe { self.seg.write(self.layout.slot(me, par, len), src) };
+            unsafe { self.put(self.layout.slot(me, par, len), src) };
             self.first_barrier(fp, w)?;
             if writes_out {
                 // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
                 // not write it again before we arrive at the next call.
                 let slot = |p: usize| unsafe { self.seg.bytes(self.layout.slot(p, par, len), len) };
                 Self::reduce_in_rank_order(n, &mut out[..len], dtype, op, slot);
+                self.read += (n * len) as u64;
                 if op == ReduceOp::Mean {
                     finalize_mean(dtype, out, n);
                 }
@@ -473,10 +510,7 @@ impl ShmGroup {
                 if p != me {
                     // SAFETY: staging (me, par) is ours: its readers finished the step two steps
                     // ago before arriving at that step's phase B, which we awaited.
-                    unsafe {
-                        self.seg
-                            .write(self.layout.staging(me, par) + s.start, &inp[s.clone()])
-                    };
+                    unsafe { self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]) };
                 }
             }
             self.phase_a(&mut first, fp, w)?;
@@ -499,6 +533,8 @@ impl ShmGroup {
                 }
             };
             Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
+            self.read += ((n - 1) * mine.len()) as u64;
+            self.written += mine.len() as u64;
             // Phase B: everyone's slice is reduced; copy the others' out.
             self.arrive_and_wait_all(w)?;
             if writes_out {
@@ -506,7 +542,7 @@ impl ShmGroup {
                     // SAFETY: result slices were published by the phase-B arrivals we awaited and
                     // are rewritten only after our next arrival.
                     unsafe {
-                        self.seg.read(
+                        self.get(
                             self.layout.result(par) + s.start,
                             &mut out[o + s.start..o + s.end],
                         )
@@ -537,12 +573,12 @@ impl ShmGroup {
             let len = buf.len();
             if me == root {
                 // SAFETY: slot (root, par) is ours (see all_reduce's one-shot path).
-                unsafe { self.seg.write(self.layout.slot(root, par, len), buf) };
+                unsafe { self.put(self.layout.slot(root, par, len), buf) };
             }
             self.first_barrier(fp, w)?;
             if me != root {
                 // SAFETY: published by the root's arrival; rewritten two calls later at the earliest.
-                unsafe { self.seg.read(self.layout.slot(root, par, len), buf) };
+                unsafe { self.get(self.layout.slot(root, par, len), buf) };
             }
             return Ok(());
         }
@@ -554,18 +590,12 @@ impl ShmGroup {
             self.steps += 1;
             if me == root {
                 // SAFETY: staging (root, par) is ours (readers finished two steps ago).
-                unsafe {
-                    self.seg
-                        .write(self.layout.staging(root, par), &buf[o..o + l])
-                };
+                unsafe { self.put(self.layout.staging(root, par), &buf[o..o + l]) };
             }
             self.phase_a(&mut first, fp, w)?;
             if me != root {
                 // SAFETY: published by the root's arrival; rewritten only after our next one.
-                unsafe {
-                    self.seg
-                        .read(self.layout.staging(root, par), &mut buf[o..o + l])
-                };
+                unsafe { self.get(self.layout.staging(root, par), &mut buf[o..o + l]) };
             }
             self.arrive_and_wait_all(w)?;
             o += l;
@@ -608,7 +638,7 @@ impl ShmGroup {
                 None => &out[offs[me]..offs[me] + blocks[me]],
             };
             // SAFETY: slot (me, par) is ours (see all_reduce's one-shot path).
-            unsafe { self.seg.write(self.layout.slot(me, par, longest), src) };
+            unsafe { self.put(self.layout.slot(me, par, longest), src) };
             self.first_barrier(fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
@@ -617,7 +647,7 @@ impl ShmGroup {
                     }
                     // SAFETY: published by p's arrival; rewritten two calls later at the earliest.
                     unsafe {
-                        self.seg.read(
+                        self.get(
                             self.layout.slot(p, par, longest),
                             &mut out[offs[p]..offs[p] + b],
                         )
@@ -638,7 +668,7 @@ impl ShmGroup {
                 None => &out[offs[me] + o.min(blocks[me])..offs[me] + o.min(blocks[me]) + mine_l],
             };
             // SAFETY: staging (me, par) is ours (readers finished two steps ago).
-            unsafe { self.seg.write(self.layout.staging(me, par), src) };
+            unsafe { self.put(self.layout.staging(me, par), src) };
             self.phase_a(&mut first, fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
@@ -648,7 +678,7 @@ impl ShmGroup {
                     }
                     let dst = &mut out[offs[p] + o..offs[p] + o + l];
                     // SAFETY: published by p's arrival; rewritten only after our next arrival.
-                    unsafe { self.seg.read(self.layout.staging(p, par), dst) };
+                    unsafe { self.get(self.layout.staging(p, par), dst) };
                 }
             }
             self.arrive_and_wait_all(w)?;
@@ -700,7 +730,7 @@ impl ShmGroup {
                 if p != me && l > 0 {
                     // SAFETY: staging (me, par) is ours (readers finished two steps ago).
                     unsafe {
-                        self.seg.write(
+                        self.put(
                             self.layout.staging(me, par) + p * piece,
                             &full[offs[p] + o..offs[p] + o + l],
                         )
@@ -731,6 +761,9 @@ impl ShmGroup {
                     None => &mut out[offs[me] + o..offs[me] + o + l],
                 };
                 dst.copy_from_slice(acc);
+                // Peers' pieces reduced in place, our result written, then copied out.
+                self.read += (n * l) as u64;
+                self.written += l as u64;
             }
             self.arrive_and_wait_all(w)?;
             o += piece;
@@ -778,7 +811,7 @@ impl ShmGroup {
                     if l > 0 {
                         // SAFETY: staging (me, par) is ours (readers finished two steps ago).
                         unsafe {
-                            self.seg.write(
+                            self.put(
                                 self.layout.staging(me, par) + p * piece,
                                 &input[off + o..off + o + l],
                             )
@@ -794,7 +827,7 @@ impl ShmGroup {
                     // SAFETY: published by the sender's phase-A arrival; rewritten only after our
                     // phase-B arrival.
                     unsafe {
-                        self.seg.read(
+                        self.get(
                             self.layout.staging(src, par) + me * piece,
                             &mut out[off + o..off + o + l],
                         )

@@ -651,6 +651,10 @@ pub struct TcpLinks {
     op_timeout: Duration,
     /// poll(2) saw the acceptor hand over a connection.
     listener_ready: bool,
+    /// Bytes written to the links' sockets (frame headers and payload), ever.
+    bytes_sent: u64,
+    /// Bytes of frames (headers and payload) taken from the links, ever.
+    bytes_received: u64,
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -710,7 +714,19 @@ impl TcpLinks {
             next_id: 1,
             op_timeout: Duration::ZERO,
             listener_ready: false,
+            bytes_sent: 0,
+            bytes_received: 0,
         })
+    }
+
+    /// Bytes written to and read from the links' sockets since they were made:
+    /// `(sent, received)`. Every frame counts, header included: sent bytes when `send(2)`
+    /// takes them, received bytes when the frame's header and payload are taken from the
+    /// socket or from the link's read-ahead buffer (so bytes read ahead during one operation
+    /// count for the operation whose frame they belong to). The connection handshakes (a
+    /// 16-byte greeting and a 1-byte adoption answer per link, once) do not count.
+    pub fn bytes_moved(&self) -> (u64, u64) {
+        (self.bytes_sent, self.bytes_received)
     }
 
     /// Share the communicator's abort flag.
@@ -1157,6 +1173,7 @@ impl TcpLinks {
                 Ok(0) => break,
                 Ok(n) => {
                     s.written += n;
+                    self.bytes_sent += n as u64;
                     progress = true;
                 }
                 Err(e) if would_block(&e) => break,
@@ -1239,6 +1256,7 @@ impl TcpLinks {
                         Target::Discard(_) => {}
                     }
                     inb.ipos += n;
+                    self.bytes_received += n as u64;
                     inb.cur = Some((target, left - n));
                     progress = true;
                     continue;
@@ -1250,6 +1268,7 @@ impl TcpLinks {
                     match (&inb.sock).read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
                         Ok(n) => {
+                            self.bytes_received += n as u64;
                             recvs[idx].direct_done(n);
                             inb.cur = Some((target, left - n));
                             progress = true;
@@ -1304,6 +1323,7 @@ impl TcpLinks {
                 }
             }
             inb.ipos += HEADER_LEN;
+            self.bytes_received += HEADER_LEN as u64;
             progress = true;
             let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
                 recvs

@@ -1,0 +1,544 @@
+//! Codecs: how an f32 vector becomes bytes on the wire and back.
+//!
+//! Every codec states its contract in three parts: [`Codec::encoded_len`] (exactly how many
+//! bytes travel for `n` elements), [`Codec::encode`], and [`Codec::decode_add`] /
+//! [`Codec::decode`], with the error bound of a round trip in its documentation. Decoding
+//! checks sizes and indices and returns an error on malformed input; nothing here panics on
+//! bad data. Non-finite inputs (NaN, ±inf) give unspecified (possibly non-finite) outputs.
+//!
+//! Multi-byte fields are in the machine's byte order (as the rest of hcomm's wire data).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::rng::SplitMix64;
+use crate::error::{Error, Result};
+
+fn bad(msg: String) -> Error {
+    Error::invalid("compress", 0, msg)
+}
+
+fn check_encoded(name: &str, got: usize, want: usize, n: usize) -> Result<()> {
+    if got != want {
+        return Err(bad(format!(
+            "{name}: {got} bytes given for the encoding of {n} elements, which takes {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// An f32 codec: a fixed wire size for a given input length, an encoder and a decoder.
+pub trait Codec {
+    /// Exactly how many bytes [`encode`](Self::encode) writes for `n` elements.
+    fn encoded_len(&self, n: usize) -> usize;
+
+    /// Encode `x` into `out`, which must be exactly `encoded_len(x.len())` bytes.
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()>;
+
+    /// Add the decoded values of `bytes` (an encoding of `out.len()` elements) to `out`.
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()>;
+
+    /// Decode `bytes` (an encoding of `out.len()` elements) into `out`.
+    fn decode(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        out.fill(0.0);
+        self.decode_add(bytes, out)
+    }
+}
+
+/// Largest finite f16.
+const F16_MAX: f32 = 65504.0;
+const HALF_BLOCK: usize = 1024;
+
+/// Cast to a 16-bit float: 2 bytes per element.
+///
+/// Round trip: round to nearest even; relative error at most 2^-11 (f16) or 2^-8 (bf16) for
+/// normal values. f16 saturates: magnitudes above 65504 encode as ±65504; magnitudes below
+/// 2^-14 lose precision (absolute error up to 2^-25) and below 2^-25 become zero. bf16 keeps
+/// f32's range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Half {
+    /// Unit roundoff of the format (2^-11 for f16, 2^-8 for bf16).
+    pub fn unit_roundoff(self) -> f32 {
+        match self {
+            Half::F16 => 1.0 / 2048.0,
+            Half::Bf16 => 1.0 / 256.0,
+        }
+    }
+
+    /// Largest absolute error of rounding a value below the normal range (2^-25 for f16,
+    /// negligible for bf16).
+    pub fn subnormal_step(self) -> f32 {
+        match self {
+            Half::F16 => 1.0 / (1u64 << 25) as f32,
+            Half::Bf16 => f32::MIN_POSITIVE,
+        }
+    }
+
+    fn check(self, bytes: usize, n: usize) -> Result<()> {
+        check_encoded(
+            match self {
+                Half::F16 => "fp16",
+                Half::Bf16 => "bf16",
+            },
+            bytes,
+            2 * n,
+            n,
+        )
+    }
+
+    fn decode_with(self, bytes: &[u8], out: &mut [f32], add: bool) -> Result<()> {
+        self.check(bytes.len(), out.len())?;
+        let mut tmp = [0f32; HALF_BLOCK];
+        for (o, b) in out.chunks_mut(HALF_BLOCK).zip(bytes.chunks(2 * HALF_BLOCK)) {
+            let n = o.len();
+            let t = &mut tmp[..n];
+            match self {
+                Half::F16 => {
+                    let mut h = [f16::ZERO; HALF_BLOCK];
+                    bytemuck::cast_slice_mut::<f16, u8>(&mut h[..n]).copy_from_slice(b);
+                    h[..n].convert_to_f32_slice(t);
+                }
+                Half::Bf16 => {
+                    let mut h = [bf16::ZERO; HALF_BLOCK];
+                    bytemuck::cast_slice_mut::<bf16, u8>(&mut h[..n]).copy_from_slice(b);
+                    h[..n].convert_to_f32_slice(t);
+                }
+            }
+            if add {
+                o.iter_mut().zip(t.iter()).for_each(|(o, t)| *o += t);
+            } else {
+                o.copy_from_slice(t);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Codec for Half {
+    fn encoded_len(&self, n: usize) -> usize {
+        2 * n
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()> {
+        self.check(out.len(), x.len())?;
+        let mut tmp = [0f32; HALF_BLOCK];
+        for (xc, oc) in x.chunks(HALF_BLOCK).zip(out.chunks_mut(2 * HALF_BLOCK)) {
+            let n = xc.len();
+            match self {
+                Half::F16 => {
+                    for (t, &v) in tmp[..n].iter_mut().zip(xc) {
+                        // Saturate (NaN stays NaN).
+                        *t = v.clamp(-F16_MAX, F16_MAX);
+                    }
+                    let mut h = [f16::ZERO; HALF_BLOCK];
+                    h[..n].convert_from_f32_slice(&tmp[..n]);
+                    oc.copy_from_slice(bytemuck::cast_slice(&h[..n]));
+                }
+                Half::Bf16 => {
+                    let mut h = [bf16::ZERO; HALF_BLOCK];
+                    h[..n].convert_from_f32_slice(xc);
+                    oc.copy_from_slice(bytemuck::cast_slice(&h[..n]));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        self.decode_with(bytes, out, true)
+    }
+
+    fn decode(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        self.decode_with(bytes, out, false)
+    }
+}
+
+/// Largest magnitude of a block (NaN ignored; written so that it vectorises).
+fn max_abs(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |m, v| {
+        let a = v.abs();
+        if a > m {
+            a
+        } else {
+            m
+        }
+    })
+}
+
+fn block_check(name: &str, block: usize) -> Result<()> {
+    if block == 0 {
+        return Err(bad(format!("{name}: block size 0 (it must be at least 1)")));
+    }
+    Ok(())
+}
+
+/// int8 quantisation with one f32 scale per block of `block` elements.
+///
+/// Wire: `ceil(n / block)` scales (4 bytes each), then one signed byte per element. A block
+/// with largest magnitude `m` has scale `s = m / 127` and codes `q = round(x / s)` in
+/// `-127..=127` (round half up); it decodes as `q * s`.
+///
+/// Bound: `|x - decode(encode(x))| <= m / 254 + m * 2^-20` (the second term covers f32
+/// rounding). With stochastic rounding (`q = floor(x / s + u)`, `u` uniform in `[0, 1)`),
+/// the decoded value is an unbiased estimate of `x`, and the error is below `m / 127 +
+/// m * 2^-20`.
+#[derive(Clone, Debug)]
+pub struct Int8Block {
+    block: usize,
+    rng: Option<SplitMix64>,
+}
+
+impl Int8Block {
+    /// Round-to-nearest quantisation in blocks of `block` elements (error if 0).
+    pub fn new(block: usize) -> Result<Int8Block> {
+        block_check("int8", block)?;
+        Ok(Int8Block { block, rng: None })
+    }
+
+    /// Stochastic rounding, random numbers from `seed` (error if `block` is 0).
+    pub fn stochastic(block: usize, seed: u64) -> Result<Int8Block> {
+        block_check("int8", block)?;
+        Ok(Int8Block {
+            block,
+            rng: Some(SplitMix64::new(seed)),
+        })
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// The round-trip error bound for a block whose largest magnitude is `max_abs`.
+    pub fn error_bound(&self, max_abs: f32) -> f32 {
+        let step = if self.rng.is_some() {
+            1.0 / 127.0
+        } else {
+            1.0 / 254.0
+        };
+        max_abs * (step + 1.0 / (1u32 << 20) as f32)
+    }
+}
+
+impl Codec for Int8Block {
+    fn encoded_len(&self, n: usize) -> usize {
+        4 * n.div_ceil(self.block) + n
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()> {
+        let n = x.len();
+        check_encoded("int8", out.len(), self.encoded_len(n), n)?;
+        let (scales, codes) = out.split_at_mut(4 * n.div_ceil(self.block));
+        for ((xb, cb), sb) in x
+            .chunks(self.block)
+            .zip(codes.chunks_mut(self.block))
+            .zip(scales.chunks_mut(4))
+        {
+            let s = max_abs(xb) / 127.0;
+            sb.copy_from_slice(&s.to_ne_bytes());
+            if s == 0.0 {
+                cb.fill(0);
+                continue;
+            }
+            // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
+            // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
+            // flipped is the code as an i8. (x * (1 / s) instead of x / s: two roundings of
+            // 2^-24, inside the bound's slack.)
+            let inv = 1.0 / s;
+            match &mut self.rng {
+                None => {
+                    for (c, &v) in cb.iter_mut().zip(xb) {
+                        // floor(t + 128.5) in 1..=255 (0 only for NaN): the code + 128.
+                        let q = ((v * inv + 128.5) as u8).max(1);
+                        *c = q ^ 0x80;
+                    }
+                }
+                Some(rng) => {
+                    for (c, &v) in cb.iter_mut().zip(xb) {
+                        let u = rng.next_unit_f32();
+                        let q = ((v * inv + 128.0 + u) as u8).max(1);
+                        *c = q ^ 0x80;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        let n = out.len();
+        check_encoded("int8", bytes.len(), self.encoded_len(n), n)?;
+        let (scales, codes) = bytes.split_at(4 * n.div_ceil(self.block));
+        for ((ob, cb), sb) in out
+            .chunks_mut(self.block)
+            .zip(codes.chunks(self.block))
+            .zip(scales.chunks(4))
+        {
+            let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes"));
+            for (o, &c) in ob.iter_mut().zip(cb) {
+                *o += (c as i8) as f32 * s;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// 1-bit sign compression with one f32 scale per block (signSGD with a magnitude, as in
+/// 1-bit Adam): each element travels as its sign, each block as the mean magnitude of its
+/// elements `s = sum|x| / len`; an element decodes as `+s` (sign bit clear) or `-s`.
+///
+/// Wire: `ceil(n / block)` scales (4 bytes each), then `ceil(n / 8)` bytes of sign bits
+/// (bit `i % 8` of byte `i / 8`, 1 = sign bit clear).
+///
+/// Zero and -0.0 follow their sign bit (+0 is positive, -0 negative).
+///
+/// Bound: `|x - decode(encode(x))| = ||x| - s| <= m` for a block of largest magnitude `m`;
+/// `s` is the scale that minimises the block's squared error for those signs, and the
+/// decoded block keeps the block's L1 norm (up to f32 rounding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SignBlock {
+    block: usize,
+}
+
+impl SignBlock {
+    /// Sign compression in blocks of `block` elements (error if 0).
+    pub fn new(block: usize) -> Result<SignBlock> {
+        block_check("sign", block)?;
+        Ok(SignBlock { block })
+    }
+
+    /// Elements per block.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+}
+
+impl Codec for SignBlock {
+    fn encoded_len(&self, n: usize) -> usize {
+        4 * n.div_ceil(self.block) + n.div_ceil(8)
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()> {
+        let n = x.len();
+        check_encoded("sign", out.len(), self.encoded_len(n), n)?;
+        let (scales, bits) = out.split_at_mut(4 * n.div_ceil(self.block));
+        for (xb, sb) in x.chunks(self.block).zip(scales.chunks_mut(4)) {
+            let s = xb.iter().map(|v| v.abs()).sum::<f32>() / xb.len() as f32;
+            sb.copy_from_slice(&s.to_ne_bytes());
+        }
+        // Bit = 1 - the sign bit (so -0.0 counts as negative).
+        for (xb, byte) in x.chunks(8).zip(bits.iter_mut()) {
+            *byte = xb.iter().enumerate().fold(0u8, |acc, (i, &v)| {
+                acc | ((((v.to_bits() >> 31) ^ 1) as u8) << i)
+            });
+        }
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        let n = out.len();
+        check_encoded("sign", bytes.len(), self.encoded_len(n), n)?;
+        let (scales, bits) = bytes.split_at(4 * n.div_ceil(self.block));
+        for (b, (ob, sb)) in out.chunks_mut(self.block).zip(scales.chunks(4)).enumerate() {
+            let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes")).to_bits();
+            let base = b * self.block;
+            for (j, o) in ob.iter_mut().enumerate() {
+                let i = base + j;
+                // Bit 0 flips the scale's sign bit (no branch).
+                let negative = (((bits[i / 8] >> (i % 8)) & 1) ^ 1) as u32;
+                *o += f32::from_bits(s ^ (negative << 31));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The indices of the `k` largest-magnitude elements of `x`, ascending. Exactly
+/// `min(k, x.len())` of them: every element left out is no larger in magnitude than every
+/// element kept, and among equal magnitudes the lower indices are kept. NaN counts as
+/// larger than every number.
+pub fn top_k_indices(x: &[f32], k: usize) -> Vec<u32> {
+    let n = x.len();
+    let k = k.min(n);
+    if k == 0 {
+        return Vec::new();
+    }
+    if k == n {
+        return (0..n as u64).map(|i| i as u32).collect();
+    }
+    // For non-negative floats the bit patterns order like the values (NaN above infinity).
+    let mag = |v: &f32| v.to_bits() & 0x7fff_ffff;
+    let mut mags: Vec<u32> = x.iter().map(mag).collect();
+    let threshold = *mags.select_nth_unstable(n - k).1;
+    drop(mags);
+    let above = x.iter().filter(|v| mag(v) > threshold).count();
+    let mut ties = k - above;
+    let mut out = Vec::with_capacity(k);
+    for (i, v) in x.iter().enumerate() {
+        let m = mag(v);
+        if m > threshold || (m == threshold && ties > 0) {
+            if m == threshold {
+                ties -= 1;
+            }
+            out.push(i as u32);
+        }
+    }
+    out
+}
+
+/// Top-k sparsification: the `k` largest-magnitude elements travel as (index, value) pairs.
+///
+/// Wire: `min(k, n)` u32 indices (ascending), then as many f32 values: `8 * min(k, n)`
+/// bytes. The kept values are exact; every other element decodes as 0. Inputs longer than
+/// 2^32 elements are refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopK {
+    k: usize,
+}
+
+impl TopK {
+    /// Keep `k` elements (error if 0).
+    pub fn new(k: usize) -> Result<TopK> {
+        if k == 0 {
+            return Err(bad("top-k: k = 0 (it must be at least 1)".into()));
+        }
+        Ok(TopK { k })
+    }
+
+    /// Elements kept (at most).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The indices in an encoding made by [`encode`](Codec::encode).
+    pub fn indices(bytes: &[u8]) -> Result<Vec<u32>> {
+        if !bytes.len().is_multiple_of(8) {
+            return Err(bad(format!(
+                "top-k: {} bytes is not a whole number of (index, value) pairs",
+                bytes.len()
+            )));
+        }
+        Ok(bytes[..bytes.len() / 2]
+            .chunks(4)
+            .map(|c| u32::from_ne_bytes(c.try_into().expect("4 bytes")))
+            .collect())
+    }
+}
+
+impl Codec for TopK {
+    fn encoded_len(&self, n: usize) -> usize {
+        8 * self.k.min(n)
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()> {
+        let n = x.len();
+        if n as u64 > u32::MAX as u64 + 1 {
+            return Err(bad(format!(
+                "top-k: {n} elements; indices are 32-bit (at most 2^32 elements)"
+            )));
+        }
+        check_encoded("top-k", out.len(), self.encoded_len(n), n)?;
+        let idx = top_k_indices(x, self.k);
+        let (ib, vb) = out.split_at_mut(4 * idx.len());
+        for ((&i, ic), vc) in idx.iter().zip(ib.chunks_mut(4)).zip(vb.chunks_mut(4)) {
+            ic.copy_from_slice(&i.to_ne_bytes());
+            vc.copy_from_slice(&x[i as usize].to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        let idx = Self::indices(bytes)?;
+        let vals = &bytes[bytes.len() / 2..];
+        let n = out.len();
+        for (&i, vc) in idx.iter().zip(vals.chunks(4)) {
+            let v = f32::from_ne_bytes(vc.try_into().expect("4 bytes"));
+            let slot = out
+                .get_mut(i as usize)
+                .ok_or_else(|| bad(format!("top-k: index {i} is out of range for {n} elements")))?;
+            *slot += v;
+        }
+        Ok(())
+    }
+}
+
+/// Random-k sparsification: `k` indices drawn from a seed (see
+/// [`random_k_indices`](super::random_k_indices)), so every rank with the same seed picks the
+/// same ones and only the values travel.
+///
+/// Wire: `k` f32 values (`4 * k` bytes), in index order. The kept values are exact; every
+/// other element decodes as 0 (no rescaling by `n / k`: use error feedback).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RandomK {
+    n: usize,
+    indices: Vec<u32>,
+}
+
+impl RandomK {
+    /// `k` of `n` indices drawn from `seed` (error if `k` is 0 or `n` is 2^32 or more).
+    pub fn new(seed: u64, n: usize, k: usize) -> Result<RandomK> {
+        if k == 0 {
+            return Err(bad("random-k: k = 0 (it must be at least 1)".into()));
+        }
+        if n as u64 > u32::MAX as u64 + 1 {
+            return Err(bad(format!(
+                "random-k: {n} elements; indices are 32-bit (at most 2^32 elements)"
+            )));
+        }
+        Ok(RandomK {
+            n,
+            indices: super::rng::random_k_indices(seed, n, k),
+        })
+    }
+
+    /// The chosen indices, ascending.
+    pub fn indices(&self) -> &[u32] {
+        &self.indices
+    }
+
+    fn check_n(&self, n: usize) -> Result<()> {
+        if n != self.n {
+            return Err(bad(format!(
+                "random-k: indices drawn for {} elements, used on {n}",
+                self.n
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Codec for RandomK {
+    fn encoded_len(&self, _n: usize) -> usize {
+        4 * self.indices.len()
+    }
+
+    fn encode(&mut self, x: &[f32], out: &mut [u8]) -> Result<()> {
+        self.check_n(x.len())?;
+        check_encoded("random-k", out.len(), self.encoded_len(x.len()), x.len())?;
+        for (&i, oc) in self.indices.iter().zip(out.chunks_mut(4)) {
+            oc.copy_from_slice(&x[i as usize].to_ne_bytes());
+        }
+        Ok(())
+    }
+
+    fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
+        self.check_n(out.len())?;
+        check_encoded(
+            "random-k",
+            bytes.len(),
+            self.encoded_len(out.len()),
+            out.len(),
+        )?;
+        for (&i, vc) in self.indices.iter().zip(bytes.chunks(4)) {
+            out[i as usize] += f32::from_ne_bytes(vc.try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+}

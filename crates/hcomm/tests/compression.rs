@@ -1,0 +1,842 @@
+//! Gradient compression: codec round trips and bounds (proptests), the compressed all-reduce
+//! against a local simulation (bitwise) and the exact sum (within each codec's bound) at 1–4
+//! ranks over TCP and shared memory, bitwise agreement between ranks, error feedback's
+//! conservation law, random-k's shared indices, measured byte reductions, fusion with
+//! compression, and typed errors.
+
+use hcomm::algo::even_segments;
+use hcomm::compress::{
+    mix_seed, top_k_indices, Codec, Half, Int8Block, RandomK, SignBlock, SplitMix64, TopK,
+};
+use hcomm::config::TransportKind;
+use hcomm::fusion::{plan_buckets, Fusion, FusionOptions, TensorMut};
+use hcomm::testing::{free_port, local_config};
+use hcomm::{Communicator, OpTraffic};
+use hcomm::{CompressionState, Compressor, DType, Density, Error, ReduceOp};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+// ---------- helpers ----------
+
+fn ranks<R: Send, F>(n: usize, transport: TransportKind, f: F) -> Vec<R>
+where
+    F: Fn(Arc<Communicator>) -> hcomm::Result<R> + Sync,
+{
+    let port = free_port();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    let cfg = hcomm::BootstrapConfig {
+                        transport,
+                        ..local_config(r, n, port, Duration::from_secs(60))
+                    };
+                    Communicator::from_config(&cfg).and_then(|c| f(Arc::new(c)))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join()
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+            })
+            .collect()
+    })
+}
+
+/// Rank `rank`'s gradient for `step`: magnitudes varying by region over six decades, signs
+/// mixed, some exact zeros. Every rank can regenerate every other rank's.
+fn gradient(rank: usize, n: usize, step: u64) -> Vec<f32> {
+    let mut rng = SplitMix64::new(mix_seed(&[rank as u64, step, 99]));
+    (0..n)
+        .map(|i| {
+            let u = rng.next_unit_f32();
+            if i % 53 == 7 {
+                return 0.0;
+            }
+            let scale = 10f32.powi((i / 97 % 6) as i32 - 4);
+            (u - 0.5) * scale
+        })
+        .collect()
+}
+
+fn exact_sum(inputs: &[Vec<f32>]) -> Vec<f64> {
+    let mut s = vec![0f64; inputs[0].len()];
+    for x in inputs {
+        s.iter_mut().zip(x).for_each(|(a, &b)| *a += b as f64);
+    }
+    s
+}
+
+fn abs_sum(inputs: &[Vec<f32>]) -> Vec<f64> {
+    let mut s = vec![0f64; inputs[0].len()];
+    for x in inputs {
+        s.iter_mut().zip(x).for_each(|(a, &b)| *a += b.abs() as f64);
+    }
+    s
+}
+
+/// The chunks of the compressed all-reduce: one per rank, at block boundaries.
+fn chunks(n: usize, block: usize, world: usize) -> Vec<std::ops::Range<usize>> {
+    even_segments(n.div_ceil(block), world, 1)
+        .into_iter()
+        .map(|b| (b.start * block).min(n)..(b.end * block).min(n))
+        .collect()
+}
+
+/// The two-stage compressed all-reduce, simulated locally from the codecs.
+fn two_stage_sim<C: Codec>(inputs: &[Vec<f32>], codec: &mut C, block: usize) -> Vec<f32> {
+    let n = inputs[0].len();
+    let mut out = vec![0f32; n];
+    for c in chunks(n, block, inputs.len()) {
+        let mut sum = vec![0f32; c.len()];
+        for x in inputs {
+            let mut enc = vec![0u8; codec.encoded_len(c.len())];
+            codec.encode(&x[c.clone()], &mut enc).unwrap();
+            codec.decode_add(&enc, &mut sum).unwrap();
+        }
+        let mut enc = vec![0u8; codec.encoded_len(c.len())];
+        codec.encode(&sum, &mut enc).unwrap();
+        codec.decode(&enc, &mut out[c]).unwrap();
+    }
+    out
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn row<'a>(t: &'a [OpTraffic], op: &str) -> &'a OpTraffic {
+    t.iter()
+        .find(|r| r.op == op)
+        .unwrap_or_else(|| panic!("no row {op} in {t:?}"))
+}
+
+const BLOCK: usize = 64;
+
+fn compressors() -> Vec<Compressor> {
+    vec![
+        Compressor::None,
+        Compressor::Fp16,
+        Compressor::Bf16,
+        Compressor::Int8 {
+            block: BLOCK,
+            stochastic: false,
+        },
+        Compressor::Int8 {
+            block: BLOCK,
+            stochastic: true,
+        },
+        Compressor::TopK(Density::Fraction(0.05)),
+        Compressor::RandomK {
+            density: Density::Fraction(0.05),
+            seed: 11,
+        },
+        Compressor::Sign { block: BLOCK },
+    ]
+}
+
+// ---------- codecs ----------
+
+fn vec_strategy() -> impl Strategy<Value = Vec<f32>> {
+    // Mixed magnitudes, repeated values (ties), zeros.
+    proptest::collection::vec(
+        prop_oneof![
+            4 => -1.0f32..1.0,
+            2 => -1e6f32..1e6,
+            1 => -1e-6f32..1e-6,
+            1 => Just(0.0f32),
+            1 => Just(0.25f32),
+            1 => Just(-0.25f32),
+        ],
+        0..600,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn top_k_keeps_exactly_the_k_largest(x in vec_strategy(), k in 1usize..700) {
+        let idx = top_k_indices(&x, k);
+        let want = k.min(x.len());
+        prop_assert_eq!(idx.len(), want);
+        prop_assert!(idx.windows(2).all(|w| w[0] < w[1]), "ascending, distinct");
+        let mut kept = vec![false; x.len()];
+        for &i in &idx {
+            kept[i as usize] = true;
+        }
+        let min_kept = idx.iter().map(|&i| x[i as usize].abs()).fold(f32::INFINITY, f32::min);
+        for (i, v) in x.iter().enumerate() {
+            if !kept[i] {
+                prop_assert!(v.abs() <= min_kept, "dropped {} > kept {}", v.abs(), min_kept);
+                // Ties keep the lower indices.
+                if v.abs() == min_kept {
+                    prop_assert!(idx.iter().all(|&j| (j as usize) < i || x[j as usize].abs() > min_kept));
+                }
+            }
+        }
+        // Round trip: the kept values exactly, zeros elsewhere.
+        let mut codec = TopK::new(k).unwrap();
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        prop_assert_eq!(enc.len(), 8 * want);
+        codec.encode(&x, &mut enc).unwrap();
+        let mut dec = vec![1.0f32; x.len()];
+        codec.decode(&enc, &mut dec).unwrap();
+        for i in 0..x.len() {
+            prop_assert_eq!(dec[i].to_bits(), if kept[i] { x[i].to_bits() } else { 0f32.to_bits() });
+        }
+    }
+
+    #[test]
+    fn int8_round_trip_is_within_its_bound(x in vec_strategy(), block in 1usize..300, sr in any::<bool>(), seed in any::<u64>()) {
+        let mut codec = if sr { Int8Block::stochastic(block, seed) } else { Int8Block::new(block) }.unwrap();
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        prop_assert_eq!(enc.len(), x.len() + 4 * x.len().div_ceil(block));
+        codec.encode(&x, &mut enc).unwrap();
+        let mut dec = vec![0f32; x.len()];
+        codec.decode(&enc, &mut dec).unwrap();
+        for (xb, db) in x.chunks(block).zip(dec.chunks(block)) {
+            let m = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let bound = codec.error_bound(m);
+            for (a, b) in xb.iter().zip(db) {
+                prop_assert!((a - b).abs() <= bound, "|{a} - {b}| > {bound} (block max {m}, sr {sr})");
+            }
+        }
+    }
+
+    #[test]
+    fn sign_round_trip_is_within_its_bound_and_keeps_l1(x in vec_strategy(), block in 1usize..300) {
+        let mut codec = SignBlock::new(block).unwrap();
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        prop_assert_eq!(enc.len(), x.len().div_ceil(8) + 4 * x.len().div_ceil(block));
+        codec.encode(&x, &mut enc).unwrap();
+        let mut dec = vec![0f32; x.len()];
+        codec.decode(&enc, &mut dec).unwrap();
+        for (xb, db) in x.chunks(block).zip(dec.chunks(block)) {
+            let m = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let l1: f64 = xb.iter().map(|v| v.abs() as f64).sum();
+            let l1d: f64 = db.iter().map(|v| v.abs() as f64).sum();
+            prop_assert!((l1 - l1d).abs() <= 1e-5 * l1 + 1e-30, "L1 {l1} vs {l1d}");
+            for (a, b) in xb.iter().zip(db) {
+                prop_assert!((a - b).abs() <= m * (1.0 + 1e-6), "|{a} - {b}| > {m}");
+                prop_assert!(*a == 0.0 || (*a < 0.0) == (*b < 0.0), "sign of {a} lost: {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn half_round_trip_is_within_its_bound(x in vec_strategy(), bf in any::<bool>()) {
+        let mut codec = if bf { Half::Bf16 } else { Half::F16 };
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        codec.encode(&x, &mut enc).unwrap();
+        let mut dec = vec![0f32; x.len()];
+        codec.decode(&enc, &mut dec).unwrap();
+        for (a, b) in x.iter().zip(&dec) {
+            let a_sat = if bf { *a } else { a.clamp(-65504.0, 65504.0) };
+            let bound = codec.unit_roundoff() * a_sat.abs() + codec.subnormal_step();
+            prop_assert!((a_sat - b).abs() <= bound, "|{a_sat} - {b}| > {bound}");
+        }
+    }
+
+    #[test]
+    fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200), n in 0usize..100, block in 1usize..20) {
+        let mut out = vec![0f32; n];
+        let _ = Int8Block::new(block).unwrap().decode(&bytes, &mut out);
+        let _ = SignBlock::new(block).unwrap().decode(&bytes, &mut out);
+        let _ = TopK::new(block).unwrap().decode(&bytes, &mut out);
+        let _ = Half::F16.decode(&bytes, &mut out);
+        let _ = RandomK::new(1, n, block).unwrap().decode(&bytes, &mut out);
+    }
+}
+
+#[test]
+fn int8_stochastic_rounding_is_unbiased() {
+    let x: Vec<f32> = (0..64).map(|i| (i as f32 - 31.7) / 97.0).collect();
+    let mut mean = vec![0f64; x.len()];
+    let trials = 4000;
+    for s in 0..trials {
+        let mut c = Int8Block::stochastic(64, s).unwrap();
+        let mut enc = vec![0u8; c.encoded_len(x.len())];
+        c.encode(&x, &mut enc).unwrap();
+        let mut dec = vec![0f32; x.len()];
+        c.decode(&enc, &mut dec).unwrap();
+        mean.iter_mut().zip(&dec).for_each(|(m, &d)| *m += d as f64);
+    }
+    let step = x.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+    for (m, &v) in mean.iter().zip(&x) {
+        let m = m / trials as f64;
+        // Standard error of the mean is at most step / 2 / sqrt(trials) ~ step / 126.
+        assert!((m - v as f64).abs() < step / 20.0, "mean {m} vs {v}");
+    }
+}
+
+#[test]
+fn f16_saturates_instead_of_overflowing() {
+    let x = [1e6f32, -1e6, 70000.0, 1.0];
+    let mut c = Half::F16;
+    let mut enc = vec![0u8; 8];
+    c.encode(&x, &mut enc).unwrap();
+    let mut dec = [0f32; 4];
+    c.decode(&enc, &mut dec).unwrap();
+    assert_eq!(dec, [65504.0, -65504.0, 65504.0, 1.0]);
+}
+
+#[test]
+fn malformed_encodings_are_typed_errors() {
+    let mut out = vec![0f32; 10];
+    for e in [
+        Int8Block::new(4).unwrap().decode(&[0u8; 3], &mut out),
+        SignBlock::new(4).unwrap().decode(&[0u8; 100], &mut out),
+        Half::Bf16.decode(&[0u8; 19], &mut out),
+        // Index 99 of a 10-element vector.
+        TopK::new(1)
+            .unwrap()
+            .decode(&[99, 0, 0, 0, 0, 0, 128, 63], &mut out),
+        RandomK::new(1, 11, 3).unwrap().decode(&[0u8; 12], &mut out),
+    ] {
+        let e = e.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    }
+    assert!(TopK::new(0).unwrap_err().to_string().contains("k = 0"));
+    assert!(Int8Block::new(0)
+        .unwrap_err()
+        .to_string()
+        .contains("block size 0"));
+    let mut c = Int8Block::new(4).unwrap();
+    assert!(
+        c.encode(&[1.0; 8], &mut [0u8; 9]).is_err(),
+        "wrong output size"
+    );
+}
+
+// ---------- compressed all-reduce ----------
+
+/// Per rank: every step's result, then the state.
+type RankRun = (Vec<Vec<f32>>, CompressionState);
+
+fn run_steps(
+    c: &Communicator,
+    comp: Compressor,
+    n: usize,
+    steps: u64,
+    ef: bool,
+    op: ReduceOp,
+) -> hcomm::Result<RankRun> {
+    let mut state = CompressionState::new(comp)?.with_error_feedback(ef);
+    let mut out = Vec::new();
+    for t in 0..steps {
+        let mut g = gradient(c.rank(), n, t);
+        c.all_reduce_compressed(&mut g, op, &mut state)?;
+        out.push(g);
+    }
+    Ok((out, state))
+}
+
+#[test]
+fn compressed_all_reduce_matches_simulation_and_bound_and_ranks_agree() {
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for world in 1..=4 {
+            for n in [5usize, 10_007] {
+                for comp in compressors() {
+                    let runs = ranks(world, transport, |c| {
+                        run_steps(&c, comp, n, 1, false, ReduceOp::Sum)
+                    });
+                    let ctx = format!("{comp} at {world} ranks, n = {n}, {transport:?}");
+                    let got = &runs[0].0[0];
+                    for (r, run) in runs.iter().enumerate() {
+                        assert_eq!(
+                            bits(&run.0[0]),
+                            bits(got),
+                            "rank {r} differs from rank 0: {ctx}"
+                        );
+                    }
+                    let inputs: Vec<Vec<f32>> = (0..world).map(|r| gradient(r, n, 0)).collect();
+                    let exact = exact_sum(&inputs);
+                    let mag = abs_sum(&inputs);
+                    let w = world as f64;
+                    let f32_tol = |i: usize| w * 2f64.powi(-23) * mag[i];
+                    match comp {
+                        Compressor::None => {
+                            for i in 0..n {
+                                assert!(
+                                    (got[i] as f64 - exact[i]).abs() <= f32_tol(i),
+                                    "{ctx} [{i}]"
+                                );
+                            }
+                        }
+                        Compressor::Fp16 | Compressor::Bf16 => {
+                            let h = if comp == Compressor::Fp16 {
+                                Half::F16
+                            } else {
+                                Half::Bf16
+                            };
+                            let u = h.unit_roundoff() as f64;
+                            let eta = h.subnormal_step() as f64;
+                            for i in 0..n {
+                                let bound = 2.0 * w * (u * mag[i] + eta);
+                                assert!(
+                                    (got[i] as f64 - exact[i]).abs() <= bound,
+                                    "{ctx} [{i}]: {} vs {}",
+                                    got[i],
+                                    exact[i]
+                                );
+                            }
+                        }
+                        Compressor::Int8 { block, stochastic } => {
+                            if !stochastic {
+                                let want = two_stage_sim(
+                                    &inputs,
+                                    &mut Int8Block::new(block).unwrap(),
+                                    block,
+                                );
+                                assert_eq!(
+                                    bits(got),
+                                    bits(&want),
+                                    "{ctx}: differs from the simulation"
+                                );
+                            }
+                            let codec = if stochastic {
+                                Int8Block::stochastic(block, 0)
+                            } else {
+                                Int8Block::new(block)
+                            }
+                            .unwrap();
+                            for s in (0..n).step_by(block) {
+                                let e = (s + block).min(n);
+                                let maxes: Vec<f32> = inputs
+                                    .iter()
+                                    .map(|x| x[s..e].iter().fold(0f32, |a, v| a.max(v.abs())))
+                                    .collect();
+                                let stage1: f64 =
+                                    maxes.iter().map(|&m| codec.error_bound(m) as f64).sum();
+                                let sum_max: f32 = maxes.iter().sum::<f32>() * (1.0 + 2.0 / 127.0);
+                                let bound = stage1
+                                    + codec.error_bound(sum_max) as f64
+                                    + 1e-6 * sum_max as f64;
+                                for i in s..e {
+                                    assert!(
+                                        (got[i] as f64 - exact[i]).abs() <= bound,
+                                        "{ctx} [{i}]: {} vs {} (bound {bound})",
+                                        got[i],
+                                        exact[i]
+                                    );
+                                }
+                            }
+                        }
+                        Compressor::Sign { block } => {
+                            let want =
+                                two_stage_sim(&inputs, &mut SignBlock::new(block).unwrap(), block);
+                            assert_eq!(
+                                bits(got),
+                                bits(&want),
+                                "{ctx}: differs from the simulation"
+                            );
+                            for s in (0..n).step_by(block) {
+                                let e = (s + block).min(n);
+                                let bound: f64 = inputs
+                                    .iter()
+                                    .map(|x| {
+                                        x[s..e].iter().fold(0f32, |a, v| a.max(v.abs())) as f64
+                                    })
+                                    .sum::<f64>()
+                                    * 2.0
+                                    * (1.0 + 1e-5);
+                                for i in s..e {
+                                    assert!(
+                                        (got[i] as f64 - exact[i]).abs() <= bound,
+                                        "{ctx} [{i}]"
+                                    );
+                                }
+                            }
+                        }
+                        Compressor::TopK(d) => {
+                            let k = d.k(n);
+                            let mut want = vec![0f32; n];
+                            for x in &inputs {
+                                for i in top_k_indices(x, k) {
+                                    want[i as usize] += x[i as usize];
+                                }
+                            }
+                            assert_eq!(
+                                bits(got),
+                                bits(&want),
+                                "{ctx}: differs from the simulation"
+                            );
+                        }
+                        Compressor::RandomK { density, .. } => {
+                            // The same k indices everywhere: exact sums there (up to the
+                            // all-reduce's f32 rounding), zero elsewhere.
+                            let k = density.k(n);
+                            let nonzero = (0..n).filter(|&i| got[i] != 0.0).count();
+                            assert!(nonzero <= k, "{ctx}: {nonzero} non-zeros, k = {k}");
+                            for i in 0..n {
+                                if got[i] != 0.0 {
+                                    assert!(
+                                        (got[i] as f64 - exact[i]).abs() <= f32_tol(i),
+                                        "{ctx} [{i}]"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn random_k_indices_agree_across_ranks_and_change_with_the_step() {
+    let n = 5000;
+    let comp = Compressor::RandomK {
+        density: Density::Count(100),
+        seed: 5,
+    };
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        let runs = ranks(4, transport, |c| {
+            let mut state = CompressionState::new(comp)?;
+            let nonzero = |g: &[f32]| -> Vec<usize> { (0..n).filter(|&i| g[i] != 0.0).collect() };
+            // Step 0: the residual (error feedback on, zero before) is zero exactly where this
+            // rank sent its values, i.e. at its own choice of indices.
+            let mut g = vec![1.0f32; n];
+            c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+            assert!(g.iter().all(|&x| x == 0.0 || x == 4.0));
+            let mine: Vec<usize> = (0..n).filter(|&i| state.residual()[i] == 0.0).collect();
+            let step0 = nonzero(&g);
+            // Step 1 draws again.
+            let mut g = vec![1.0f32; n];
+            c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+            let step1 = nonzero(&g);
+            // A fresh start draws step 0's indices again.
+            state.reset();
+            let mut g = vec![1.0f32; n];
+            c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+            Ok((mine, step0, step1, nonzero(&g)))
+        });
+        let (mine, step0, step1, again) = &runs[0];
+        assert_eq!(mine.len(), 100);
+        assert_eq!(
+            mine, step0,
+            "the result is non-zero exactly at the chosen indices"
+        );
+        assert_eq!(again, step0, "the same seed and step draw the same indices");
+        assert!(
+            step1.len() <= 100 && step1 != step0,
+            "the next step draws other indices"
+        );
+        for r in &runs {
+            assert_eq!(r, &runs[0], "every rank chose the same indices");
+        }
+    }
+}
+
+#[test]
+fn error_feedback_conserves_the_sum_of_inputs() {
+    // After T steps: sum of results + every residual == sum of every input (f32 rounding),
+    // for every compressor but the half casts (their in-network rounding is not fed back).
+    let n = 3001;
+    let steps = 4;
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for world in [1usize, 3, 4] {
+            for comp in compressors() {
+                let runs = ranks(world, transport, |c| {
+                    run_steps(&c, comp, n, steps, true, ReduceOp::Sum)
+                });
+                let ctx = format!("{comp} at {world} ranks, {transport:?}");
+                let mut lhs = vec![0f64; n];
+                for step in &runs[0].0 {
+                    lhs.iter_mut().zip(step).for_each(|(a, &b)| *a += b as f64);
+                }
+                let mut scale = vec![0f64; n];
+                for (_, st) in &runs {
+                    if comp.is_lossy() {
+                        assert_eq!(st.residual().len(), n, "{ctx}");
+                    }
+                    for (i, r) in st.residual().iter().enumerate() {
+                        lhs[i] += *r as f64;
+                        scale[i] += r.abs() as f64;
+                    }
+                    if let Some(range) = st.owner_range() {
+                        for (i, r) in range.zip(st.owner_residual()) {
+                            lhs[i] += *r as f64;
+                            scale[i] += r.abs() as f64;
+                        }
+                    }
+                }
+                let mut rhs = vec![0f64; n];
+                for r in 0..world {
+                    for t in 0..steps {
+                        for (i, v) in gradient(r, n, t).iter().enumerate() {
+                            rhs[i] += *v as f64;
+                            scale[i] += v.abs() as f64;
+                        }
+                    }
+                }
+                let rel = match comp {
+                    Compressor::Fp16 => 2.0 * world as f64 / 2048.0,
+                    Compressor::Bf16 => 2.0 * world as f64 / 256.0,
+                    _ => 1e-5,
+                };
+                for i in 0..n {
+                    let tol = rel * scale[i] + 1e-9;
+                    assert!(
+                        (lhs[i] - rhs[i]).abs() <= tol,
+                        "{ctx} [{i}]: {} vs {} (tol {tol})",
+                        lhs[i],
+                        rhs[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn error_feedback_can_be_turned_off_and_mean_is_the_sum_over_ranks() {
+    ranks(3, TransportKind::Auto, |c| {
+        for comp in compressors() {
+            let (sum, st) = run_steps(&c, comp, 2000, 1, false, ReduceOp::Sum)?;
+            assert!(st.residual().is_empty() && st.owner_residual().is_empty());
+            assert!(!st.error_feedback());
+            let (mean, _) = run_steps(&c, comp, 2000, 1, false, ReduceOp::Mean)?;
+            let want: Vec<f32> = sum[0].iter().map(|x| x / 3.0).collect();
+            assert_eq!(bits(&mean[0]), bits(&want), "{comp}");
+            // With error feedback, the first step gives the same result (the residual is 0).
+            let (with_ef, st) = run_steps(&c, comp, 2000, 1, true, ReduceOp::Sum)?;
+            assert_eq!(bits(&with_ef[0]), bits(&sum[0]), "{comp}");
+            assert_eq!(st.steps(), 1);
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn compression_moves_fewer_bytes_as_measured() {
+    let n = 1 << 20; // 4 MiB of f32
+    let world = 4;
+    let results = ranks(world, TransportKind::Tcp, |c| {
+        let mut sent = Vec::new();
+        for comp in [
+            Compressor::None,
+            Compressor::Fp16,
+            Compressor::INT8,
+            Compressor::SIGN,
+            Compressor::TopK(Density::Fraction(0.01)),
+            Compressor::RandomK {
+                density: Density::Fraction(0.01),
+                seed: 1,
+            },
+        ] {
+            c.reset_traffic();
+            let mut state = CompressionState::new(comp)?;
+            let mut g = gradient(c.rank(), n, 0);
+            c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+            let t = c.traffic();
+            let r = row(&t, "all_reduce_compressed");
+            assert_eq!(
+                r.calls, 1,
+                "{comp}: one call, its collectives are part of it: {t:?}"
+            );
+            assert_eq!(t.len(), 1, "{comp}: no rows for the parts: {t:?}");
+            sent.push((comp, r.tcp_sent));
+        }
+        Ok(sent)
+    });
+    let dense = (2 * (world - 1) * 4 * n / world) as f64;
+    for per_rank in &results {
+        let ratio = |i: usize| dense / per_rank[i].1 as f64;
+        assert!((0.98..1.0).contains(&ratio(0)), "none: {}", ratio(0));
+        assert!((1.9..2.0).contains(&ratio(1)), "fp16: {}", ratio(1));
+        assert!((3.7..4.0).contains(&ratio(2)), "int8: {}", ratio(2));
+        assert!((25.0..32.0).contains(&ratio(3)), "sign: {}", ratio(3));
+        // top-k 1%: (n-1) x 8k bytes gathered vs 8(n-1)/n x N dense: 25x at 4 ranks.
+        assert!((20.0..26.0).contains(&ratio(4)), "top-k 1%: {}", ratio(4));
+        // random-k 1%: a dense all-reduce of 1% of the values (41 kB: recursive doubling,
+        // which sends the vector log2(4) = 2 times instead of the ring's 1.5).
+        assert!(
+            (70.0..101.0).contains(&ratio(5)),
+            "random-k 1%: {}",
+            ratio(5)
+        );
+    }
+}
+
+#[test]
+fn async_form_and_state_misuse() {
+    ranks(2, TransportKind::Auto, |c| {
+        let state = CompressionState::new(Compressor::INT8)?;
+        let (g, mut state) = c
+            .all_reduce_compressed_async(vec![1.0f32; 1000], ReduceOp::Mean, state)
+            .wait()?;
+        assert!(
+            g.iter().all(|&x| x == 1.0),
+            "int8 is exact on a constant block"
+        );
+        assert_eq!(state.steps(), 1);
+        // The state is bound to 1000 elements on 2 ranks.
+        let e = c
+            .all_reduce_compressed(&mut [1.0f32; 999], ReduceOp::Sum, &mut state)
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("1000-element"),
+            "{e}"
+        );
+        state.reset();
+        c.all_reduce_compressed(&mut [1.0f32; 999], ReduceOp::Sum, &mut state)?;
+        let e = c
+            .all_reduce_compressed(&mut [1.0f32; 999], ReduceOp::Max, &mut state)
+            .unwrap_err();
+        assert!(e.to_string().contains("max"), "{e}");
+        let mut raw = vec![0u8; 20];
+        let e = c
+            .all_reduce_compressed_bytes(&mut raw, DType::BF16, ReduceOp::Sum, &mut state)
+            .unwrap_err();
+        assert!(e.to_string().contains("bfloat16"), "{e}");
+        // Nothing was sent by the refused calls: the communicator still works.
+        let mut x = [1.0f32];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        assert_eq!(x[0], 2.0);
+        Ok(())
+    });
+}
+
+// ---------- fusion ----------
+
+/// Tensors of a model: small ones (packed) and one large (direct), all f32.
+fn model(rank: usize, step: u64) -> Vec<Vec<f32>> {
+    [0usize, 3, 1000, 77, 40_000, 5, 300_000, 129]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| gradient(rank * 31 + k, n, step))
+        .collect()
+}
+
+#[test]
+fn fused_compression_equals_per_bucket_compression_with_state_kept_per_bucket() {
+    let opts = FusionOptions {
+        cap_bytes: 100_000,
+        first_bucket_bytes: 10_000,
+        direct_bytes: 1_000_000,
+    };
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for world in [1usize, 3] {
+            for comp in [
+                Compressor::None,
+                Compressor::Fp16,
+                Compressor::Int8 {
+                    block: 100,
+                    stochastic: false,
+                },
+                Compressor::Sign { block: 100 },
+                Compressor::TopK(Density::Fraction(0.1)),
+            ] {
+                ranks(world, transport, |c| {
+                    let fusion =
+                        Fusion::new(&c, ReduceOp::Mean, opts).with_compression(comp, true)?;
+                    let sizes: Vec<(DType, usize)> = model(0, 0)
+                        .iter()
+                        .map(|t| (DType::F32, 4 * t.len()))
+                        .collect();
+                    let plan = plan_buckets(&sizes, opts);
+                    let mut states: HashMap<Vec<usize>, CompressionState> = HashMap::new();
+                    for step in 0..3 {
+                        let mut fused = model(c.rank(), step);
+                        fusion.step(|b| {
+                            for t in fused.iter_mut() {
+                                b.push(t)?;
+                            }
+                            Ok(())
+                        })?;
+                        // The same buckets, packed by hand, each with its own state.
+                        let mut manual = model(c.rank(), step);
+                        for bucket in &plan {
+                            let mut packed: Vec<f32> = bucket
+                                .members
+                                .iter()
+                                .flat_map(|&i| manual[i].clone())
+                                .collect();
+                            let st = match states.entry(bucket.members.clone()) {
+                                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                                std::collections::hash_map::Entry::Vacant(e) => {
+                                    e.insert(CompressionState::new(comp)?)
+                                }
+                            };
+                            c.all_reduce_compressed(&mut packed, ReduceOp::Mean, st)?;
+                            let mut off = 0;
+                            for &i in &bucket.members {
+                                let len = manual[i].len();
+                                manual[i].copy_from_slice(&packed[off..off + len]);
+                                off += len;
+                            }
+                        }
+                        for (k, (f, m)) in fused.iter().zip(&manual).enumerate() {
+                            assert_eq!(bits(f), bits(m), "{comp}, step {step}, tensor {k}");
+                        }
+                    }
+                    let (buckets, bytes) = fusion.compression_memory();
+                    assert_eq!(buckets, if comp.is_lossy() { plan.len() } else { 0 });
+                    if comp.is_lossy() {
+                        assert!(bytes >= 4 * sizes.iter().map(|s| s.1 / 4).sum::<usize>());
+                    }
+                    Ok(())
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_random_k_agrees_across_ranks_and_fusion_refuses_bad_input() {
+    let comp = Compressor::RandomK {
+        density: Density::Fraction(0.2),
+        seed: 3,
+    };
+    let out = ranks(3, TransportKind::Auto, |c| {
+        let fusion = Fusion::new(&c, ReduceOp::Sum, FusionOptions::with_cap(50_000))
+            .with_compression(comp, true)?;
+        let mut m = model(c.rank(), 0);
+        fusion.step(|b| {
+            for t in m.iter_mut() {
+                b.push(t)?;
+            }
+            Ok(())
+        })?;
+        // Compression takes f32 tensors only; a bf16 tensor is refused at push.
+        let mut h = [half::bf16::ONE; 10];
+        let mut f = vec![1.0f32; 10];
+        let fp16 = Fusion::new(&c, ReduceOp::Sum, FusionOptions::default())
+            .with_compression(Compressor::Fp16, true)?;
+        let e = fp16
+            .step(|b| {
+                b.push(&mut f)?;
+                b.push(TensorMut::new(&mut h[..]))
+            })
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("tensor #1") && e.to_string().contains("bfloat16"),
+            "{e}"
+        );
+        assert_eq!(f, vec![3.0; 10], "the f32 tensor pushed before was reduced");
+        // Without a lossy compressor every dtype goes through.
+        Fusion::new(&c, ReduceOp::Sum, FusionOptions::default())
+            .with_compression(Compressor::None, true)?
+            .step(|b| b.push(TensorMut::new(&mut h[..])))?;
+        assert!(h.iter().all(|x| x.to_f32() == 3.0));
+        let e = Fusion::new(&c, ReduceOp::Max, FusionOptions::default())
+            .with_compression(Compressor::Fp16, true)
+            .unwrap_err();
+        assert!(e.to_string().contains("max"), "{e}");
+        Ok(m)
+    });
+    for m in &out[1..] {
+        for (a, b) in m.iter().zip(&out[0]) {
+            assert_eq!(bits(a), bits(b));
+        }
+    }
+}
