@@ -954,12 +954,53 @@ impl Communicator {
         if let Some(report) = inner.history.end(r.as_ref().map(|_| ())) {
             tracing::error!("{report}");
         }
+        let mut blamed = None;
         if let Err(e) = &r {
             if e.is_fatal() && inner.poisoned.is_none() {
                 inner.poisoned = Some(e.to_string());
+                // Tell the peers, so that every rank fails now and names the cause.
+                let (mut culprit, reason) = e.blame();
+                match e {
+                    // Whom this rank waited for may itself be waiting: follow the blame along
+                    // the waits for a short grace period (see `TcpLinks::settle_blame`).
+                    Error::Timeout { after, .. } if inner.links.open_links() > 0 => {
+                        let grace =
+                            (*after / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+                        culprit = inner
+                            .links
+                            .settle_blame(inner.seq, culprit, reason as u8, grace);
+                    }
+                    _ => inner.links.send_abort(inner.seq, culprit, reason as u8),
+                }
+                if let Some(shm) = inner.shm.as_ref() {
+                    shm.post_abort(culprit, reason as u8);
+                }
+                if let (Error::Timeout { peers, .. }, Some(c)) = (e, culprit) {
+                    if !peers.contains(&c) {
+                        blamed = Some(c);
+                    }
+                }
             }
         }
-        r
+        match (r, blamed) {
+            (
+                Err(Error::Timeout {
+                    ctx,
+                    peers,
+                    after,
+                    detail,
+                }),
+                Some(c),
+            ) => Err(Error::Timeout {
+                detail: format!(
+                    "{detail}; rank(s) {peers:?} were waiting too: the chain of waits ends at rank {c}"
+                ),
+                ctx,
+                peers,
+                after,
+            }),
+            (r, _) => r,
+        }
     }
 
     fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {

@@ -74,14 +74,17 @@ pub enum Error {
         /// Both sizes.
         msg: String,
     },
-    /// The peer reported a failure on its side.
+    /// A peer failed and told the others (so that every rank fails fast and names the cause,
+    /// not only the ranks next to it).
     #[error("{ctx}: rank {peer} reported an error: {msg}")]
     Remote {
         /// Where.
         ctx: OpContext,
         /// Reporting peer.
         peer: usize,
-        /// Its message.
+        /// The rank that caused the failure, when known (a dead, stopped or mismatched rank).
+        culprit: Option<usize>,
+        /// What happened.
         msg: String,
     },
     /// A peer sent something the protocol does not allow (garbage, a frame nobody asked for).
@@ -205,6 +208,21 @@ impl Error {
         )
     }
 
+    /// The rank this error blames and why, as sent to the peers when a communicator fails
+    /// (see [`Error::Remote`]): `(culprit, reason code)`.
+    pub(crate) fn blame(&self) -> (Option<usize>, AbortReason) {
+        match self {
+            Error::PeerClosed { peer, .. } => (Some(*peer), AbortReason::PeerGone),
+            Error::Timeout { peers, .. } => (peers.first().copied(), AbortReason::Timeout),
+            Error::Mismatch { peer, .. } => (Some(*peer), AbortReason::Mismatch),
+            Error::Protocol { peer, .. } => (Some(*peer), AbortReason::Protocol),
+            Error::Io { peer, .. } => (*peer, AbortReason::Other),
+            Error::Remote { culprit, .. } => (*culprit, AbortReason::Relayed),
+            Error::Aborted { .. } => (None, AbortReason::Aborted),
+            _ => (None, AbortReason::Other),
+        }
+    }
+
     /// True if this is a timeout.
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. })
@@ -214,6 +232,67 @@ impl Error {
 impl From<crate::config::ConfigError> for Error {
     fn from(e: crate::config::ConfigError) -> Self {
         Error::Config(e.to_string())
+    }
+}
+
+/// Why a rank gave up, as carried to its peers (one byte on the wire).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum AbortReason {
+    /// A peer's process or connection is gone.
+    PeerGone = 1,
+    /// A deadline passed.
+    Timeout = 2,
+    /// Ranks called different collectives.
+    Mismatch = 3,
+    /// A peer broke the protocol.
+    Protocol = 4,
+    /// `abort()` was called.
+    Aborted = 5,
+    /// Passed on from another rank.
+    Relayed = 6,
+    /// Anything else.
+    Other = 7,
+}
+
+impl AbortReason {
+    pub(crate) fn from_u8(v: u8) -> AbortReason {
+        match v {
+            1 => AbortReason::PeerGone,
+            2 => AbortReason::Timeout,
+            3 => AbortReason::Mismatch,
+            4 => AbortReason::Protocol,
+            5 => AbortReason::Aborted,
+            6 => AbortReason::Relayed,
+            _ => AbortReason::Other,
+        }
+    }
+
+    /// The error a rank gets when `reporter` tells it that it failed for this reason.
+    pub(crate) fn remote_error(
+        self,
+        ctx: OpContext,
+        reporter: usize,
+        culprit: Option<usize>,
+    ) -> Error {
+        let what = match (self, culprit) {
+            (AbortReason::PeerGone, Some(c)) => format!("rank {c} died or closed its connection"),
+            (AbortReason::Timeout, Some(c)) => format!("timed out waiting for rank {c}"),
+            (AbortReason::Mismatch, Some(c)) => {
+                format!("rank {c} called a different collective")
+            }
+            (AbortReason::Protocol, Some(c)) => format!("protocol error from rank {c}"),
+            (AbortReason::Relayed, Some(c)) => format!("the job failed because of rank {c}"),
+            (AbortReason::Aborted, _) => "aborted".to_string(),
+            (_, Some(c)) => format!("failed (blaming rank {c})"),
+            (_, None) => "failed".to_string(),
+        };
+        Error::Remote {
+            ctx,
+            peer: reporter,
+            culprit,
+            msg: format!("{what}; this communicator is unusable"),
+        }
     }
 }
 

@@ -310,6 +310,26 @@ fn bootstrap_errors_name_the_problem() {
     }
 }
 
+/// How a survivor's error names the cause: `PeerClosed(p)`, `Timeout([p..])`, or
+/// `Remote(r blames c)` when another rank told it.
+fn blame(err: &Error) -> String {
+    match err {
+        Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
+        Error::Timeout { peers, .. } => format!("Timeout({peers:?})"),
+        Error::Remote { peer, culprit, .. } => format!("Remote({peer} blames {culprit:?})"),
+        other => format!("Other({other})"),
+    }
+}
+
+/// True if the survivor's line names rank `r` as the cause.
+fn names(line: &str, r: usize) -> bool {
+    (r == 0 && line.contains("rank 0, which hosts it, has probably exited"))
+        || line.contains(&format!("PeerClosed({r})"))
+        || line.contains(&format!("Timeout([{r}])"))
+        || line.contains(&format!("blames Some({r}))"))
+        || line.contains(&format!("the chain of waits ends at rank {r}"))
+}
+
 fn killed_rank_worker() {
     let comm = Communicator::from_env().unwrap();
     let mut v = vec![1f32; 200_000];
@@ -325,11 +345,7 @@ fn killed_rank_worker() {
             break e;
         }
     };
-    let kind = match err {
-        Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
-        Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
-        ref other => format!("Other({other})"),
-    };
+    let kind = blame(&err);
     println!(
         "\nSURVIVOR {} shm={} failed after {:.1}s: {kind}: {err}",
         comm.rank(),
@@ -366,10 +382,9 @@ fn killed_rank(test: &str, transport: &str) -> Vec<String> {
             .lines()
             .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
             .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
-        assert!(
-            line.contains("PeerClosed") || line.contains("Timeout"),
-            "rank {r}: {line}"
-        );
+        // Every survivor names the dead rank: the ones next to it see it go, and they tell
+        // the others (Error::Remote).
+        assert!(names(line, 1), "rank {r}: {line}");
         lines.push(line.to_string());
     }
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
@@ -404,13 +419,8 @@ fn a_killed_rank_makes_every_survivor_fail_over_shared_memory() {
     for l in &lines {
         assert!(l.contains("shm=true"), "{l}");
     }
-    // On shared memory every survivor waits for every rank, so each names the dead one.
-    assert!(
-        lines
-            .iter()
-            .all(|l| l.contains("PeerClosed(1)") || l.contains("Timeout([1])")),
-        "{lines:?}"
-    );
+    // On shared memory the survivors notice by themselves (or are told first).
+    assert!(lines.iter().all(|l| names(l, 1)), "{lines:?}");
 }
 
 fn stopped_rank_worker() {
@@ -429,11 +439,7 @@ fn stopped_rank_worker() {
         }
     };
     let later = comm.barrier().unwrap_err();
-    let kind = match err {
-        Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
-        Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
-        ref other => format!("Other({other})"),
-    };
+    let kind = blame(&err);
     println!(
         "\nSURVIVOR {} shm={} failed after {:.1}s: {kind}: {err}; then: {}",
         comm.rank(),
@@ -477,9 +483,11 @@ fn stopped_rank(test: &str, transport: &str) -> Vec<String> {
             .lines()
             .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
             .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
-        // A survivor that timed out exits, so over TCP its neighbours may see it leave first.
+        // Every survivor times out (or is told by one that did) and names a rank it waited
+        // for; the blame then passes along the chain of waits, and usually reaches rank 1 (the
+        // callers check how far).
         assert!(
-            line.contains("Timeout") || line.contains("PeerClosed"),
+            line.contains("Timeout(") || line.contains("Remote("),
             "rank {r}: {line}"
         );
         assert!(line.contains("then: poisoned"), "rank {r}: {line}");
@@ -511,11 +519,10 @@ fn a_stopped_rank_makes_every_survivor_time_out_over_tcp() {
         "a_stopped_rank_makes_every_survivor_time_out_over_tcp",
         "tcp",
     );
-    // The ranks waiting on rank 1 directly name it.
-    assert!(
-        lines.iter().any(|l| l.contains("Timeout([1])")),
-        "{lines:?}"
-    );
+    // Over TCP a rank waits only for its neighbours: the one waiting for rank 1 names it;
+    // the others follow the blame for a grace period and mostly reach rank 1 too (not always:
+    // a link with a half-sent frame cannot carry the notice, see `TcpLinks::send_abort`).
+    assert!(lines.iter().any(|l| names(l, 1)), "{lines:?}");
 }
 
 #[test]
@@ -527,11 +534,8 @@ fn a_stopped_rank_makes_every_survivor_time_out_over_shared_memory() {
         "a_stopped_rank_makes_every_survivor_time_out_over_shared_memory",
         "shm",
     );
-    // On shared memory every survivor waits for every rank, so each names the stopped one.
-    assert!(
-        lines.iter().all(|l| l.contains("Timeout([1])")),
-        "{lines:?}"
-    );
+    // On shared memory every rank waits for every rank: all name the stopped one.
+    assert!(lines.iter().all(|l| names(l, 1)), "{lines:?}");
 }
 
 #[test]
@@ -588,4 +592,135 @@ fn shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappin
         .unwrap_or_default();
     let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
     assert!(new.is_empty(), "left in /dev/shm: {new:?}");
+}
+
+/// One job of the kill matrix: every rank runs `HCOMM_TEST_COLL` over and over; rank
+/// `HCOMM_TEST_VICTIM` SIGKILLs itself at its 4th call; survivors report how they failed.
+fn kill_matrix_worker() {
+    use hcomm::testing::{run_case, Case};
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            // The victim ran ahead and died while this rank was still joining.
+            println!("\nSURVIVOR failed at bootstrap: {e}");
+            return;
+        }
+    };
+    let coll = hcomm::Collective::parse(&std::env::var("HCOMM_TEST_COLL").unwrap()).unwrap();
+    let victim: usize = std::env::var("HCOMM_TEST_VICTIM").unwrap().parse().unwrap();
+    let case = Case {
+        coll,
+        dtype: hcomm::DType::F32,
+        op: ReduceOp::Sum,
+        count: 5000,
+        root: (victim + 1) % comm.world_size(),
+        in_place: false,
+        algo: hcomm::Algo::Auto,
+        seed: 3,
+    };
+    let start = Instant::now();
+    let mut calls = 0;
+    let err = loop {
+        calls += 1;
+        if calls == 4 && comm.rank() == victim {
+            nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)
+                .unwrap();
+        }
+        match run_case(&comm, &case) {
+            Ok(None) => {}
+            Ok(Some(wrong)) => panic!("wrong result before the failure: {wrong}"),
+            Err(e) => break e,
+        }
+    };
+    println!(
+        "\nSURVIVOR {} failed after {:.1}s: {}: {err}",
+        comm.rank(),
+        start.elapsed().as_secs_f64(),
+        blame(&err)
+    );
+}
+
+/// Kill each rank in turn during each collective, over TCP and shared memory: every survivor
+/// fails (never hangs, never returns a wrong result) within the bound, at least one names the
+/// dead rank (the others name a rank that failed because of it); nothing is left in /dev/shm.
+#[test]
+fn killing_each_rank_during_each_collective_fails_every_survivor_naming_it() {
+    const TEST: &str = "killing_each_rank_during_each_collective_fails_every_survivor_naming_it";
+    if is_worker() {
+        return kill_matrix_worker();
+    }
+    let n = 3;
+    let mut scenarios = 0;
+    let mut survivors = 0;
+    let mut named = 0;
+    for transport in ["tcp", "shm"] {
+        for coll in hcomm::Collective::ALL {
+            // The three victims of one (transport, collective) run side by side.
+            let jobs: Vec<(usize, Vec<Child>, u32)> = (0..n)
+                .map(|victim| {
+                    let port = free_port();
+                    let kids = spawn(TEST, n, |r| {
+                        vec![
+                            ("HCOMM_RANK".into(), r.to_string()),
+                            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+                            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+                            ("HCOMM_MASTER_PORT".into(), port.to_string()),
+                            ("HCOMM_TIMEOUT".into(), "5s".into()),
+                            ("HCOMM_TRANSPORT".into(), transport.into()),
+                            ("HCOMM_TEST_COLL".into(), coll.name().into()),
+                            ("HCOMM_TEST_VICTIM".into(), victim.to_string()),
+                        ]
+                    });
+                    let rank0 = kids[0].id();
+                    (victim, kids, rank0)
+                })
+                .collect();
+            for (victim, kids, rank0) in jobs {
+                scenarios += 1;
+                let mut named_here = 0;
+                let what = format!("{transport} {} victim {victim}", coll.name());
+                for (r, (code, out)) in wait_all(kids, Duration::from_secs(60)).iter().enumerate() {
+                    if r == victim {
+                        assert_eq!(*code, None, "{what}: the victim should be killed:\n{out}");
+                        continue;
+                    }
+                    assert_eq!(*code, Some(0), "{what}: rank {r}:\n{out}");
+                    let line = out
+                        .lines()
+                        .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
+                        .unwrap_or_else(|| panic!("{what}: rank {r}:\n{out}"));
+                    survivors += 1;
+                    if names(line, victim) {
+                        named += 1;
+                        named_here += 1;
+                    } else {
+                        // Possible only when the rank it names had already failed and gone
+                        // before this rank could hear why (it never linked to it).
+                        assert!(
+                            line.contains("PeerClosed(")
+                                || line.contains("Remote(")
+                                || line.contains("at bootstrap"),
+                            "{what}: rank {r}: {line}"
+                        );
+                    }
+                }
+                assert!(named_here > 0, "{what}: no survivor named the victim");
+                let left: Vec<String> = std::fs::read_dir("/dev/shm")
+                    .map(|d| {
+                        d.flatten()
+                            .map(|e| e.file_name().to_string_lossy().into_owned())
+                            .filter(|f| f.contains(&format!("-{rank0}-")))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                assert!(
+                    left.is_empty(),
+                    "{what}: segments left in /dev/shm: {left:?}"
+                );
+            }
+        }
+    }
+    println!(
+        "kill matrix: {scenarios} scenarios, {survivors} survivors failed, {named} of them naming the victim"
+    );
 }

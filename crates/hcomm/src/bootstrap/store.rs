@@ -583,9 +583,22 @@ pub enum StoreError {
     /// The server's reply breaks the protocol.
     #[error("bad reply from the rendezvous store: {0}")]
     Protocol(ProtocolError),
-    /// I/O on the store connection failed.
-    #[error("store connection failed: {0}")]
+    /// I/O on the store connection failed (a closed connection usually means rank 0, which
+    /// hosts the store, is gone).
+    #[error("store connection failed: {source}{hint}", source = .0, hint = gone_hint(.0))]
     Io(#[from] io::Error),
+}
+
+fn gone_hint(e: &io::Error) -> &'static str {
+    match e.kind() {
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionRefused => {
+            " (the store closed the connection: rank 0, which hosts it, has probably exited)"
+        }
+        _ => "",
+    }
 }
 
 impl From<ProtocolError> for StoreError {

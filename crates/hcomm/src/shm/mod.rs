@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 const MAGIC: u64 = 0x6863_6f6d_6d73_686d; // "hcommshm"
 const HEADER: usize = 128;
+/// Offset in the header of the abort word: 0, or `1 << 63 | reporter << 40 | reason << 32 |
+/// (culprit + 1)` once a rank's communicator failed (first writer wins).
+const ABORT_WORD: usize = 16;
 const LINE: usize = 128;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
@@ -268,6 +271,43 @@ impl ShmGroup {
         self.counter
     }
 
+    /// Tell the other local ranks that this communicator failed (blaming `culprit` for
+    /// `reason`): a rank waiting on shared memory then fails at once with the cause. The first
+    /// report stays; every waiter is woken.
+    pub fn post_abort(&self, culprit: Option<usize>, reason: u8) {
+        let word = 1u64 << 63
+            | (self.rank as u64 & 0x7f_ffff) << 40
+            | (reason as u64) << 32
+            | culprit.map_or(0, |c| c as u64 + 1) & 0xffff_ffff;
+        let _ = self.seg.atomic_u64(ABORT_WORD).compare_exchange(
+            0,
+            word,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        for p in 0..self.size() {
+            futex::wake_all(self.seg.atomic_u32(self.layout.ctrl(p) + CTR));
+        }
+    }
+
+    /// The failure another local rank reported, as this rank's error. Blame that lands on
+    /// this rank while it waits for rank `waiting_for` passes on to that rank (this rank is
+    /// not the cause: it is waiting too).
+    fn posted_abort(&self, w: &WaitCtx, waiting_for: usize) -> Option<Error> {
+        let word = self.seg.atomic_u64(ABORT_WORD).load(Ordering::Acquire);
+        if word == 0 {
+            return None;
+        }
+        let reporter = ((word >> 40) & 0x7f_ffff) as usize;
+        let reason = crate::error::AbortReason::from_u8((word >> 32) as u8);
+        let culprit = match word & 0xffff_ffff {
+            0 => None,
+            c if c as usize - 1 == self.rank => Some(waiting_for),
+            c => Some(c as usize - 1),
+        };
+        Some(reason.remote_error(w.ctx.clone(), reporter, culprit))
+    }
+
     /// Wait until rank `p` has arrived `target` times.
     fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx) -> Result<()> {
         let line = self.layout.ctrl(p);
@@ -311,6 +351,9 @@ impl ShmGroup {
             }
             if self.abort.load(Ordering::Relaxed) {
                 return Err(Error::Aborted { ctx: w.ctx.clone() });
+            }
+            if let Some(e) = self.posted_abort(w, p) {
+                return Err(e);
             }
             let now = Instant::now();
             if now >= w.deadline {

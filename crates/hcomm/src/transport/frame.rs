@@ -75,6 +75,9 @@ pub enum Kind {
     Rts = 7,
     /// Receiver → sender: the message with this tag did not fit (`count` = receive size).
     Nack = 8,
+    /// The sender's communicator failed: `root` = the rank it blames (`u32::MAX`: none),
+    /// `tag` = the reason code, `seq` = its operation's sequence number.
+    Abort = 9,
 }
 
 impl Kind {
@@ -94,6 +97,7 @@ impl Kind {
             6 => Kind::Close,
             7 => Kind::Rts,
             8 => Kind::Nack,
+            9 => Kind::Abort,
             _ => return None,
         })
     }

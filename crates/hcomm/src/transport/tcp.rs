@@ -372,6 +372,11 @@ struct Inbound {
     parked: bool,
     /// The peer closed this link (seen while nobody needed it).
     eof: bool,
+    /// A frame was partly sent on this link (an operation failed mid-send): the stream is out
+    /// of step, so no abort notice can be sent on it.
+    out_mid_frame: bool,
+    /// Payload bytes still to skip while looking for abort notices after a failure.
+    discard: usize,
 }
 
 /// Socket buffer sizes (`HCOMM_SOCKET_BUF`, bytes; 0 keeps the kernel's autotuning).
@@ -402,6 +407,8 @@ impl Inbound {
             stash_bytes: 0,
             parked: false,
             eof: false,
+            out_mid_frame: false,
+            discard: 0,
         }
     }
 
@@ -995,6 +1002,61 @@ impl TcpLinks {
         deadline: Instant,
         any: bool,
     ) -> Result<()> {
+        let mut r = self.drive_until_done(ctx, sends, recvs, deadline, any);
+        if let Err(Error::PeerClosed { peer, .. }) = &r {
+            // A peer that failed first tells why before it closes; the notice may still sit
+            // unread behind the data (a send error is seen before it).
+            let peer = *peer;
+            if let Some(h) = self.inb[peer].as_mut().and_then(next_abort) {
+                let reason = crate::error::AbortReason::from_u8(h.tag as u8);
+                let culprit = (h.root != u32::MAX).then_some(h.root as usize);
+                r = Err(reason.remote_error(ctx.clone(), peer, culprit));
+            }
+        }
+        if let Err(e) = &r {
+            self.complete_partial_sends(ctx, sends, e);
+        }
+        r
+    }
+
+    /// After a failure: finish the frames half sent to healthy peers (for at most 500 ms), so
+    /// that their streams stay in step and can carry the abort notice. Only whole frames of
+    /// real data are sent; a frame that cannot be finished leaves its link without a notice.
+    fn complete_partial_sends(&mut self, ctx: &OpContext, sends: &mut [SendOp], e: &Error) {
+        let failed: Vec<usize> = match e {
+            Error::Timeout { peers, .. } => peers.clone(),
+            _ => e.blame().0.into_iter().collect(),
+        };
+        let end = Instant::now() + Duration::from_millis(500);
+        loop {
+            let mut pending = false;
+            for s in sends.iter_mut() {
+                if s.written == 0 || s.is_done() || failed.contains(&s.peer) {
+                    continue;
+                }
+                if self.inb[s.peer].as_ref().is_none_or(|i| i.eof) {
+                    continue;
+                }
+                if self.pump_send(ctx, s).is_err() {
+                    continue;
+                }
+                pending |= !s.is_done();
+            }
+            if !pending || Instant::now() >= end {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    fn drive_until_done(
+        &mut self,
+        ctx: &OpContext,
+        sends: &mut [SendOp],
+        recvs: &mut [RecvOp],
+        deadline: Instant,
+        any: bool,
+    ) -> Result<()> {
         let mut spinner = Spinner::new(self.policy);
         let mut woke = false;
         loop {
@@ -1180,7 +1242,62 @@ impl TcpLinks {
                 Err(e) => return Err(peer_io_error(ctx, s.peer, e)),
             }
         }
+        if let Some(inb) = self.inb[s.peer].as_mut() {
+            inb.out_mid_frame = s.written > 0 && !s.is_done();
+        }
         Ok(progress)
+    }
+
+    /// After this communicator timed out waiting for `culprit`: announce it, then listen on
+    /// every link for up to `grace` for the others' notices and follow the blame to the rank
+    /// that is really stuck. A rank that timed out waiting for another names that one, and
+    /// each better answer is announced again, so the answers converge along the chain of
+    /// waits (ring: 0 waits for 3, 3 for 2, 2 for the stopped 1 → everyone ends at 1). Data
+    /// frames read meanwhile are discarded: the communicator has failed. Returns the culprit.
+    pub fn settle_blame(
+        &mut self,
+        seq: u64,
+        mut culprit: Option<usize>,
+        reason: u8,
+        grace: Duration,
+    ) -> Option<usize> {
+        self.send_abort(seq, culprit, reason);
+        let end = Instant::now() + grace;
+        while Instant::now() < end {
+            let mut better = None;
+            for inb in self.inb.iter_mut().flatten() {
+                while let Some(h) = next_abort(inb) {
+                    let c = (h.root != u32::MAX).then_some(h.root as usize);
+                    if c.is_some() && c != Some(self.rank) && c != culprit {
+                        better = c;
+                    }
+                }
+            }
+            if better.is_some() {
+                culprit = better;
+                self.send_abort(seq, culprit, reason);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        culprit
+    }
+
+    /// Tell every linked peer that this communicator failed (blaming `culprit` for `reason`),
+    /// best effort and without blocking: a peer waiting on this rank then fails at once, with
+    /// the cause, instead of at its deadline. Links with a partly sent frame are skipped.
+    pub fn send_abort(&mut self, seq: u64, culprit: Option<usize>, reason: u8) {
+        let mut h = Header::new(Kind::Abort, reason as u32, 0);
+        h.root = culprit.map_or(u32::MAX, |c| c as u32);
+        h.seq = seq;
+        let bytes = h.encode();
+        for inb in self.inb.iter_mut().flatten() {
+            if inb.out_mid_frame || inb.eof {
+                continue;
+            }
+            // 40 bytes into a socket buffer: all or nothing in practice; a partial write
+            // would leave the stream out of step, which no longer matters once we failed.
+            let _ = inb.sock.send_with_flags(&bytes, nosignal() | dontwait());
+        }
     }
 
     /// Read and dispatch frames from `peer` as long as data is available and (in `Posted`
@@ -1393,6 +1510,18 @@ impl TcpLinks {
                         });
                     }
                 }
+                Kind::Abort => {
+                    let reason = crate::error::AbortReason::from_u8(hdr.tag as u8);
+                    let mut culprit = (hdr.root != u32::MAX).then_some(hdr.root as usize);
+                    if culprit == Some(self.rank) {
+                        // Blamed while waiting for someone else: the blame passes on to the
+                        // rank this one waits for (along the chain to the real cause).
+                        if let Some(r) = recvs.iter().find(|r| !r.done() && r.peer != peer) {
+                            culprit = Some(r.peer);
+                        }
+                    }
+                    return Err(reason.remote_error(ctx.clone(), peer, culprit));
+                }
                 _ => {
                     match pending_of(recvs, &|r| r.expect.accepts(&hdr, false)) {
                         Some(idx) => recvs[idx].got = Some(hdr),
@@ -1498,6 +1627,54 @@ fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<b
     }
 }
 
+/// The next abort notice readable on a failed link without blocking, discarding every other
+/// frame (and the rest of a partly read one). `None` when nothing more can be read now.
+fn next_abort(inb: &mut Inbound) -> Option<Header> {
+    if let Some((_, left)) = inb.cur.take() {
+        inb.discard += left;
+    }
+    loop {
+        if inb.discard > 0 && inb.iend > inb.ipos {
+            let n = (inb.iend - inb.ipos).min(inb.discard);
+            inb.ipos += n;
+            inb.discard -= n;
+            continue;
+        }
+        if inb.discard == 0 && inb.iend - inb.ipos >= HEADER_LEN {
+            let Ok(h) = Header::decode_prefix(&inb.ibuf[inb.ipos..inb.iend]) else {
+                inb.eof = true; // out of step: nothing more to learn from this link
+                return None;
+            };
+            inb.ipos += HEADER_LEN;
+            if h.kind == Kind::Abort {
+                return Some(h);
+            }
+            inb.discard = usize::try_from(h.len).unwrap_or(usize::MAX);
+            continue;
+        }
+        if inb.eof {
+            return None;
+        }
+        if inb.ipos > 0 {
+            inb.ibuf.copy_within(inb.ipos..inb.iend, 0);
+            inb.iend -= inb.ipos;
+            inb.ipos = 0;
+        }
+        match (&inb.sock).read(&mut inb.ibuf[inb.iend..]) {
+            Ok(0) => {
+                inb.eof = true;
+                return None;
+            }
+            Ok(n) => inb.iend += n,
+            Err(e) if would_block(&e) => return None,
+            Err(_) => {
+                inb.eof = true;
+                return None;
+            }
+        }
+    }
+}
+
 fn closed(ctx: &OpContext, peer: usize) -> Error {
     Error::PeerClosed {
         ctx: ctx.clone(),
@@ -1535,4 +1712,8 @@ impl From<Error> for DialError {
 
 fn nosignal() -> i32 {
     nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()
+}
+
+fn dontwait() -> i32 {
+    nix::sys::socket::MsgFlags::MSG_DONTWAIT.bits()
 }
