@@ -5,6 +5,7 @@ pub mod bench;
 pub mod check;
 pub mod demo;
 pub mod doctor;
+pub mod fusion_bench;
 pub mod launch;
 pub mod plot;
 pub mod workers;

@@ -125,7 +125,8 @@ struct CheckArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// allreduce, allgather, reducescatter, broadcast, reduce, gather, scatter, alltoall, barrier, sendrecv
+    /// allreduce, allgather, reducescatter, broadcast, reduce, gather, scatter, alltoall, barrier, sendrecv,
+    /// or fusion (per-tensor vs fused vs overlapped all-reduce of BERT-base's gradients)
     op: String,
     /// Start this many local ranks (omit when running under a launcher).
     #[arg(long = "np")]
@@ -181,6 +182,15 @@ struct BenchArgs {
     /// allreduce: keep the buffers in a shared window and run the zero-copy window all-reduce.
     #[arg(long)]
     window: bool,
+    /// fusion: timed steps per mode (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// fusion: bucket caps of the sweep, in MiB.
+    #[arg(long, default_value = "1,4,25,100", value_delimiter = ',')]
+    caps: Vec<f64>,
+    /// fusion: scale every tensor of the model by this factor (1 = BERT-base).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -343,9 +353,61 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
     }
 }
 
+/// Join the job from the environment, with `--transport` applied.
+fn join_for_bench(transport: &str) -> Result<Communicator, String> {
+    let kind: hcomm::config::TransportKind = transport
+        .parse()
+        .map_err(|e| format!("hcomm bench: --transport: {e}"))?;
+    hcomm::BootstrapConfig::from_env()
+        .map_err(hcomm::Error::from)
+        .and_then(|cfg| {
+            let cfg = if transport == "auto" {
+                cfg
+            } else {
+                hcomm::BootstrapConfig {
+                    transport: kind,
+                    ..cfg
+                }
+            };
+            Communicator::from_config(&cfg)
+        })
+        .map_err(|e| format!("hcomm: cannot join the job: {e}"))
+}
+
+fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if !positive(a.scale) || !a.caps.iter().all(|&c| positive(c)) {
+        hcomm_cli::say!("hcomm bench fusion: --scale and --caps must be positive");
+        return ExitCode::from(2);
+    }
+    let comm = match join_for_bench(&a.transport) {
+        Ok(c) => std::sync::Arc::new(c),
+        Err(e) => {
+            hcomm_cli::say!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let o = hcomm_cli::fusion_bench::FusionBenchOpts {
+        steps: a.steps,
+        caps_mib: a.caps,
+        scale: a.scale,
+        json: a.json,
+    };
+    match hcomm_cli::fusion_bench::run(&comm, &o) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            hcomm_cli::say!("hcomm bench fusion: rank {}: {e}", comm.rank());
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn cmd_bench(a: BenchArgs) -> ExitCode {
     if let (Some(np), false) = (a.np, in_job()) {
         return exit(spawn_self(np, args_without(&["--np", "-np"])));
+    }
+    if a.op == "fusion" {
+        return cmd_bench_fusion(a);
     }
     let parsed = (|| -> Result<BenchOpts, String> {
         Ok(BenchOpts {
@@ -372,27 +434,11 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let transport: hcomm::config::TransportKind = match a.transport.parse() {
-        Ok(t) => t,
-        Err(e) => {
-            hcomm_cli::say!("hcomm bench: --transport: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let comm = match hcomm::BootstrapConfig::from_env()
-        .map_err(hcomm::Error::from)
-        .and_then(|cfg| {
-            let cfg = if a.transport == "auto" {
-                cfg
-            } else {
-                hcomm::BootstrapConfig { transport, ..cfg }
-            };
-            Communicator::from_config(&cfg)
-        }) {
+    let comm = match join_for_bench(&a.transport) {
         Ok(c) => c,
         Err(e) => {
-            hcomm_cli::say!("hcomm: cannot join the job: {e}");
-            return ExitCode::from(1);
+            hcomm_cli::say!("{e}");
+            return ExitCode::from(if e.contains("--transport") { 2 } else { 1 });
         }
     };
     if o.root >= comm.world_size() {

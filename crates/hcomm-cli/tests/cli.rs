@@ -434,3 +434,48 @@ fn two_jobs_side_by_side_do_not_interfere() {
         assert!(out.contains(" 0 failed"), "{out}");
     }
 }
+
+#[test]
+fn bench_fusion_reports_every_mode() {
+    let (code, out, err) = hcomm(
+        &[
+            "bench", "fusion", "-np", "2", "--scale", "0.01", "--steps", "1", "--caps", "1,25",
+        ],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("199 tensors"), "{out}");
+    for mode in [
+        "per-tensor (blocking)",
+        "fused, all packed",
+        "fused (default)",
+        "small only: fused",
+        "compute only",
+        "serial (compute, then fused)",
+        "overlapped",
+    ] {
+        assert!(out.contains(mode), "missing {mode}: {out}");
+    }
+    let (code, out, err) = hcomm(
+        &[
+            "bench", "fusion", "-np", "2", "--scale", "0.01", "--steps", "1", "--caps", "4",
+            "--json",
+        ],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(rows.len(), 8, "{out}");
+    assert!(rows
+        .iter()
+        .all(|r| r["ms_per_step"].as_f64().unwrap() > 0.0 || r["mode"] == "compute only"));
+    let (code, _, err) = hcomm(
+        &["bench", "fusion", "-np", "1", "--scale", "0"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--scale"), "{err}");
+}

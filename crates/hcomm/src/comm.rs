@@ -15,6 +15,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::engine::{Engine, TurnGuard};
 use std::time::{Duration, Instant};
 
 /// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
@@ -273,6 +275,42 @@ pub struct Communicator {
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
+    /// Turn-taking and the engine thread of asynchronous operations (see [`crate::engine`]).
+    /// Declared last: dropped after everything above, so the engine thread never outlives a
+    /// communicator a job still uses (jobs hold the communicator through an `Arc`).
+    engine: Engine,
+}
+
+/// The communicator's state for one operation, held until the operation finishes; then the
+/// turn passes to the next operation (fields drop in order: state first, then the turn).
+pub(crate) struct OpGuard<'a> {
+    inner: MutexGuard<'a, Inner>,
+    _turn: Option<TurnGuard>,
+}
+
+impl std::ops::Deref for OpGuard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.inner
+    }
+}
+
+impl std::ops::DerefMut for OpGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.inner
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("id", &self.comm_id)
+            .field("rank", &self.rank)
+            .field("world_size", &self.size)
+            .field("host_id", &self.host_id)
+            .field("shared_memory", &(self.shm_bytes > 0))
+            .finish_non_exhaustive()
+    }
 }
 
 /// A random 64-bit number (time, pid and a counter through a hash; for ids, not for secrets).
@@ -510,6 +548,7 @@ impl Communicator {
             hierarchy: Mutex::new(None),
             hier_layout,
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
+            engine: Engine::default(),
         })
     }
 
@@ -695,6 +734,10 @@ impl Communicator {
         }
     }
 
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
     /// Number of open TCP links (both directions), for resource accounting.
     pub fn open_links(&self) -> usize {
         self.inner.lock().unwrap().links.open_links()
@@ -702,8 +745,15 @@ impl Communicator {
 
     // ----- plumbing shared by every operation -----
 
-    pub(crate) fn lock(&self, op: &'static str) -> Result<(MutexGuard<'_, Inner>, OpContext)> {
-        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+    /// Start an operation: wait for its turn (operations run in the order they were issued,
+    /// see [`crate::engine`]), then take the communicator's state. Fails at once when the
+    /// communicator was aborted or poisoned.
+    pub(crate) fn lock(&self, op: &'static str) -> Result<(OpGuard<'_>, OpContext)> {
+        let turn = self.engine.turns.enter();
+        let inner = OpGuard {
+            inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
+            _turn: turn,
+        };
         let ctx = OpContext { op, seq: inner.seq };
         if self.aborted.load(Ordering::SeqCst) {
             return Err(Error::Aborted { ctx });
@@ -718,10 +768,7 @@ impl Communicator {
     }
 
     /// [`finish`](Self::finish) for a collective run outside `collective()`.
-    pub(crate) fn finish_collective<T>(
-        inner: &mut MutexGuard<'_, Inner>,
-        r: Result<T>,
-    ) -> Result<T> {
+    pub(crate) fn finish_collective<T>(inner: &mut Inner, r: Result<T>) -> Result<T> {
         Self::finish(inner, true, r)
     }
 

@@ -121,6 +121,30 @@ pub enum Error {
         /// Where.
         ctx: OpContext,
     },
+    /// [`Work::wait_timeout`](crate::Work::wait_timeout) gave up before the operation
+    /// finished. Not fatal: the operation is still in flight; wait again, or `abort()`.
+    #[error("{op}: still in flight after waiting {waited:?}")]
+    WaitTimeout {
+        /// The asynchronous operation waited for.
+        op: &'static str,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// An asynchronous operation's result was asked for again after it was taken.
+    #[error("{op}: the result was already taken by an earlier wait")]
+    AlreadyTaken {
+        /// The asynchronous operation.
+        op: &'static str,
+    },
+    /// Code run by the progress engine panicked (a bug in hcomm or in a closure given to
+    /// [`Communicator::run_async`](crate::Communicator::run_async)).
+    #[error("{op}: panicked on the progress engine: {msg}")]
+    Panicked {
+        /// The asynchronous operation.
+        op: &'static str,
+        /// The panic message.
+        msg: String,
+    },
 }
 
 fn detail_suffix(d: &str) -> String {
@@ -162,7 +186,11 @@ impl Error {
     pub fn is_fatal(&self) -> bool {
         !matches!(
             self,
-            Error::InvalidArgument { .. } | Error::Config(_) | Error::SizeMismatch { .. }
+            Error::InvalidArgument { .. }
+                | Error::Config(_)
+                | Error::SizeMismatch { .. }
+                | Error::WaitTimeout { .. }
+                | Error::AlreadyTaken { .. }
         )
     }
 

@@ -15,12 +15,16 @@
 #![warn(missing_docs)]
 
 pub mod algo;
+mod asynchronous;
 pub mod bootstrap;
 mod collectives;
 pub mod comm;
 pub mod config;
 pub mod dtype;
+mod engine;
 pub mod error;
+pub mod fusion;
+mod lent;
 pub mod reduce;
 pub mod shm;
 pub mod testing;
@@ -31,5 +35,6 @@ pub use algo::Algo;
 pub use comm::{Collective, Communicator, Connection};
 pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
+pub use engine::Work;
 pub use error::{Error, OpContext, Result};
 pub use window::{SharedMemory, Window};

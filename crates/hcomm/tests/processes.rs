@@ -255,7 +255,7 @@ fn bootstrap_from_a_rank_table() {
 #[test]
 fn bootstrap_errors_name_the_problem() {
     if is_worker() {
-        let e = Communicator::from_env().err().expect("bootstrap must fail");
+        let e = Communicator::from_env().expect_err("bootstrap must fail");
         println!("ERROR: {e}");
         return;
     }
