@@ -102,49 +102,45 @@ def _elements(t: Any) -> int:
 
 
 class Work:
-    """A handle on an operation: :meth:`wait` returns its result, :meth:`is_completed` polls.
+    """A handle on an asynchronous operation (the ``...Async`` forms): :meth:`wait` returns
+    its result, :meth:`is_completed` polls without blocking.
 
-    The tensors the operation uses are kept alive until it completes."""
+    Operations on one communicator run in the order they were issued, blocking ones included
+    (a blocking call issued after an async one waits for it). The tensors an operation uses
+    are kept alive until it completes, even if the handle is dropped; do not read or write
+    them before :meth:`wait` returns."""
 
-    def __init__(self, engine: Any, result: Any, keep: tuple = ()) -> None:
+    def __init__(self, engine: Any, result: Any = None, keep: tuple = (), finish: Any = None) -> None:
         self._engine = engine
         self._result = result
         self._keep = keep
+        self._finish = finish
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the operation completes and return its result (the output tensor, or
-        None). With `timeout` (seconds), raise :class:`HcommTimeoutError` if it has not
-        completed by then; the operation goes on and `wait` can be called again. Raises the
-        operation's error if it failed."""
+        None). With `timeout` (seconds), raise :class:`HcommTimeoutError` if it is still in
+        flight then; it goes on, and `wait` can be called again. Raises the operation's error
+        if it failed (on every call)."""
         if self._engine is not None:
             self._engine.wait(timeout)
             self._engine = None
             self._keep = ()
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
         return self._result
 
     def is_completed(self) -> bool:
-        """True once the operation has finished (successfully or not)."""
+        """True once the operation has finished (successfully or not). Never blocks."""
         return self._engine is None or self._engine.is_completed()
 
     def result(self) -> Any:
-        """The result, waiting for it if needed (same as :meth:`wait`)."""
+        """Same as :meth:`wait`."""
         return self.wait()
 
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<hcomm.Work {state}>"
-
-
-class _Done:
-    """The engine of a Work whose operation ran synchronously."""
-
-    @staticmethod
-    def wait(timeout: Optional[float]) -> None:
-        return None
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,24 +446,32 @@ class Communicator:
 
     # -- collectives -----------------------------------------------------------------------
 
+    @staticmethod
+    def _finish(engine: Any, result: Any, keep: tuple, finish: Any = None) -> Any:
+        """The result of a blocking call, or the Work of an async one (engine not None)."""
+        if engine is None:
+            return finish() if finish is not None else result
+        return Work(engine, result, keep, finish)
+
+    def _all_reduce(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
+        _check_tensor("all_reduce", "tensor", tensor)
+        if out is not None:
+            out = _check_out("all_reduce", out, tensor, _shape(tensor))
+            return self._finish(self._c.all_reduce(tensor, out, op, a), out, (tensor, out))
+        return self._finish(self._c.all_reduce(None, tensor, op, a), tensor, (tensor,))
+
     def all_reduce(self, tensor: Any, op: str = "sum", out: Any = None) -> Any:
         """Reduce `tensor` over all ranks with `op` (sum, prod, min, max, mean).
 
         In place: the result replaces `tensor`'s contents and `tensor` is returned; with `out`
         (same shape and dtype) the result goes there and `tensor` is left unchanged."""
-        _check_tensor("all_reduce", "tensor", tensor)
-        if out is not None:
-            out = _check_out("all_reduce", out, tensor, _shape(tensor))
-            self._c.all_reduce(tensor, out, op)
-            return out
-        self._c.all_reduce(None, tensor, op)
-        return tensor
+        return self._all_reduce(tensor, op, out, False)
 
-    def all_gather(self, tensor: Any, dim: int = -1, out: Any = None) -> Any:
-        """Every rank's `tensor`, concatenated in rank order along `dim`: (1024, 256) becomes
-        (1024, 256 * world_size) with the default ``dim=-1``. Returns a new tensor (or `out`);
-        `tensor` is unchanged. Along dim 0 the ranks' data land in the result directly; along
-        another dim they are gathered, then concatenated (one local copy)."""
+    def all_reduce_async(self, tensor: Any, op: str = "sum", out: Any = None) -> Work:
+        """:meth:`all_reduce` in the background; ``wait()`` returns the result."""
+        return self._all_reduce(tensor, op, out, True)
+
+    def _all_gather(self, tensor: Any, dim: int, out: Any, a: bool) -> Any:
         op = "all_gather"
         _check_tensor(op, "tensor", tensor)
         shape = list(_shape(tensor))
@@ -476,19 +480,25 @@ class Communicator:
         res_shape = shape[:d] + [shape[d] * w] + shape[d + 1 :]
         if d == 0:
             out = _check_out(op, out, tensor, res_shape)
-            self._c.all_gather(tensor, out)
-            return out
+            return self._finish(self._c.all_gather(tensor, out, None, a), out, (tensor, out))
         if out is not None:
             _check_out(op, out, tensor, res_shape)
         parts = _empty(tensor, [w] + shape)
-        self._c.all_gather(tensor, parts)
-        return _concat(parts, d, out)
+        engine = self._c.all_gather(tensor, parts, None, a)
+        return self._finish(engine, None, (tensor, parts), lambda: _concat(parts, d, out))
 
-    def reduce_scatter(self, tensor: Any, op: str = "sum", out: Any = None) -> Any:
-        """Reduce `tensor` over all ranks and give each rank its share along dim 0: rank r
-        gets rows ``[r * n, (r + 1) * n)`` of the reduction, ``n = tensor.shape[0] //
-        world_size`` (which must divide). Returns a new tensor (or `out`); `tensor` is
-        unchanged."""
+    def all_gather(self, tensor: Any, dim: int = -1, out: Any = None) -> Any:
+        """Every rank's `tensor`, concatenated in rank order along `dim`: (1024, 256) becomes
+        (1024, 256 * world_size) with the default ``dim=-1``. Returns a new tensor (or `out`);
+        `tensor` is unchanged. Along dim 0 the ranks' data land in the result directly; along
+        another dim they are gathered, then concatenated (one local copy)."""
+        return self._all_gather(tensor, dim, out, False)
+
+    def all_gather_async(self, tensor: Any, dim: int = -1, out: Any = None) -> Work:
+        """:meth:`all_gather` in the background; ``wait()`` returns the result."""
+        return self._all_gather(tensor, dim, out, True)
+
+    def _reduce_scatter(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
         name = "reduce_scatter"
         _check_tensor(name, "tensor", tensor)
         shape = list(_shape(tensor))
@@ -499,8 +509,18 @@ class Communicator:
                 f"{name}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares"
             )
         out = _check_out(name, out, tensor, [shape[0] // w] + shape[1:])
-        self._c.reduce_scatter(tensor, out, op)
-        return out
+        return self._finish(self._c.reduce_scatter(tensor, out, op, None, a), out, (tensor, out))
+
+    def reduce_scatter(self, tensor: Any, op: str = "sum", out: Any = None) -> Any:
+        """Reduce `tensor` over all ranks and give each rank its share along dim 0: rank r
+        gets rows ``[r * n, (r + 1) * n)`` of the reduction, ``n = tensor.shape[0] //
+        world_size`` (which must divide). Returns a new tensor (or `out`); `tensor` is
+        unchanged."""
+        return self._reduce_scatter(tensor, op, out, False)
+
+    def reduce_scatter_async(self, tensor: Any, op: str = "sum", out: Any = None) -> Work:
+        """:meth:`reduce_scatter` in the background; ``wait()`` returns the result."""
+        return self._reduce_scatter(tensor, op, out, True)
 
     def broadcast(self, tensor: Any, root_rank: int = 0) -> Any:
         """Copy `root_rank`'s `tensor` into every rank's `tensor` (in place; same shape
@@ -509,47 +529,60 @@ class Communicator:
         self._c.broadcast(tensor, root_rank)
         return tensor
 
-    def reduce(self, tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Any:
-        """Reduce `tensor` over all ranks onto `root_rank`. On the root the result replaces
-        `tensor` (in place) or goes to `out`, and is returned; other ranks' tensors are
-        unchanged and they get None."""
+    def broadcast_async(self, tensor: Any, root_rank: int = 0) -> Work:
+        """:meth:`broadcast` in the background; ``wait()`` returns `tensor`."""
+        _check_tensor("broadcast", "tensor", tensor)
+        return Work(self._c.broadcast(tensor, root_rank, True), tensor, (tensor,))
+
+    def _reduce(self, tensor: Any, op: str, root_rank: int, out: Any, a: bool) -> Any:
         _check_tensor("reduce", "tensor", tensor)
         is_root = self.rank == root_rank
         if out is not None:
             if is_root:
                 out = _check_out("reduce", out, tensor, _shape(tensor))
-            self._c.reduce(tensor, out if is_root else None, op, root_rank)
-            return out if is_root else None
-        self._c.reduce(None, tensor, op, root_rank)
-        return tensor if is_root else None
+            engine = self._c.reduce(tensor, out if is_root else None, op, root_rank, a)
+            return self._finish(engine, out if is_root else None, (tensor, out))
+        engine = self._c.reduce(None, tensor, op, root_rank, a)
+        return self._finish(engine, tensor if is_root else None, (tensor,))
 
-    def gather(self, tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Any:
-        """Every rank's `tensor` (same shape everywhere), concatenated in rank order along
-        `dim` on `root_rank`, which gets the result (new, or `out`); other ranks get None."""
+    def reduce(self, tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Any:
+        """Reduce `tensor` over all ranks onto `root_rank`. On the root the result replaces
+        `tensor` (in place) or goes to `out`, and is returned; other ranks' tensors are
+        unchanged and they get None."""
+        return self._reduce(tensor, op, root_rank, out, False)
+
+    def reduce_async(self, tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Work:
+        """:meth:`reduce` in the background; ``wait()`` returns the result (None off the root)."""
+        return self._reduce(tensor, op, root_rank, out, True)
+
+    def _gather(self, tensor: Any, root_rank: int, dim: int, out: Any, a: bool) -> Any:
         op = "gather"
         _check_tensor(op, "tensor", tensor)
         shape = list(_shape(tensor))
         d = _dim(op, dim, len(shape))
         w = self.world_size
-        is_root = self.rank == root_rank
         res_shape = shape[:d] + [shape[d] * w] + shape[d + 1 :]
-        if not is_root:
-            self._c.gather(tensor, None, root_rank)
-            return None
+        if self.rank != root_rank:
+            return self._finish(self._c.gather(tensor, None, root_rank, None, a), None, (tensor,))
         if d == 0:
             out = _check_out(op, out, tensor, res_shape)
-            self._c.gather(tensor, out, root_rank)
-            return out
+            return self._finish(self._c.gather(tensor, out, root_rank, None, a), out, (tensor, out))
         if out is not None:
             _check_out(op, out, tensor, res_shape)
         parts = _empty(tensor, [w] + shape)
-        self._c.gather(tensor, parts, root_rank)
-        return _concat(parts, d, out)
+        engine = self._c.gather(tensor, parts, root_rank, None, a)
+        return self._finish(engine, None, (tensor, parts), lambda: _concat(parts, d, out))
 
-    def scatter(self, tensor: Any, root_rank: int = 0, out: Any = None) -> Any:
-        """Split `root_rank`'s `tensor` along dim 0 into world_size equal shares; rank r gets
-        share r (new, or `out`). Other ranks pass a tensor of the same shape (its contents are
-        not used), or None with `out`."""
+    def gather(self, tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Any:
+        """Every rank's `tensor` (same shape everywhere), concatenated in rank order along
+        `dim` on `root_rank`, which gets the result (new, or `out`); other ranks get None."""
+        return self._gather(tensor, root_rank, dim, out, False)
+
+    def gather_async(self, tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Work:
+        """:meth:`gather` in the background; ``wait()`` returns the result (None off the root)."""
+        return self._gather(tensor, root_rank, dim, out, True)
+
+    def _scatter(self, tensor: Any, root_rank: int, out: Any, a: bool) -> Any:
         op = "scatter"
         is_root = self.rank == root_rank
         if tensor is None:
@@ -558,8 +591,7 @@ class Communicator:
                     f"{op}: {'the root needs the tensor to scatter' if is_root else 'give the tensor (for its shape) or out'}"
                 )
             _check_tensor(op, "out", out)
-            self._c.scatter(None, out, root_rank)
-            return out
+            return self._finish(self._c.scatter(None, out, root_rank, None, a), out, (out,))
         _check_tensor(op, "tensor", tensor)
         shape = list(_shape(tensor))
         _dim(op, 0, len(shape))
@@ -567,8 +599,39 @@ class Communicator:
         if shape[0] % w:
             raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares")
         out = _check_out(op, out, tensor, [shape[0] // w] + shape[1:])
-        self._c.scatter(tensor if is_root else None, out, root_rank)
-        return out
+        engine = self._c.scatter(tensor if is_root else None, out, root_rank, None, a)
+        return self._finish(engine, out, (tensor, out))
+
+    def scatter(self, tensor: Any, root_rank: int = 0, out: Any = None) -> Any:
+        """Split `root_rank`'s `tensor` along dim 0 into world_size equal shares; rank r gets
+        share r (new, or `out`). Other ranks pass a tensor of the same shape (its contents are
+        not used), or None with `out`."""
+        return self._scatter(tensor, root_rank, out, False)
+
+    def scatter_async(self, tensor: Any, root_rank: int = 0, out: Any = None) -> Work:
+        """:meth:`scatter` in the background; ``wait()`` returns this rank's share."""
+        return self._scatter(tensor, root_rank, out, True)
+
+    def _all_to_all(self, tensor: Any, out: Any, send_counts: Any, recv_counts: Any, a: bool) -> Any:
+        op = "all_to_all"
+        _check_tensor(op, "tensor", tensor)
+        shape = list(_shape(tensor))
+        _dim(op, 0, len(shape))
+        w = self.world_size
+        row = _elements(tensor) // shape[0] if shape[0] else 1
+        if send_counts is None and recv_counts is None:
+            if shape[0] % w:
+                raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal blocks")
+            out = _check_out(op, out, tensor, shape)
+            return self._finish(self._c.all_to_all(tensor, out, None, None, a), out, (tensor, out))
+        if send_counts is None or recv_counts is None:
+            raise ValueError(f"{op}: give both send_counts and recv_counts, or neither")
+        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        if sum(send_counts) != shape[0]:
+            raise ValueError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
+        out = _check_out(op, out, tensor, [sum(recv_counts)] + shape[1:])
+        engine = self._c.all_to_all(tensor, out, [c * row for c in send_counts], [c * row for c in recv_counts], a)
+        return self._finish(engine, out, (tensor, out))
 
     def all_to_all(
         self,
@@ -581,30 +644,48 @@ class Communicator:
         p of the result comes from rank p. Equal blocks by default (dim 0 must divide by
         world_size); `send_counts` / `recv_counts` give rows per rank instead (what each rank
         sends must match what its peer expects). Returns a new tensor (or `out`)."""
-        op = "all_to_all"
-        _check_tensor(op, "tensor", tensor)
-        shape = list(_shape(tensor))
-        _dim(op, 0, len(shape))
-        w = self.world_size
-        row = _elements(tensor) // shape[0] if shape[0] else 1
-        if send_counts is None and recv_counts is None:
-            if shape[0] % w:
-                raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal blocks")
-            out = _check_out(op, out, tensor, shape)
-            self._c.all_to_all(tensor, out)
-            return out
-        if send_counts is None or recv_counts is None:
-            raise ValueError(f"{op}: give both send_counts and recv_counts, or neither")
-        send_counts, recv_counts = list(send_counts), list(recv_counts)
-        if sum(send_counts) != shape[0]:
-            raise ValueError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
-        out = _check_out(op, out, tensor, [sum(recv_counts)] + shape[1:])
-        self._c.all_to_all(tensor, out, [c * row for c in send_counts], [c * row for c in recv_counts])
-        return out
+        return self._all_to_all(tensor, out, send_counts, recv_counts, False)
+
+    def all_to_all_async(
+        self,
+        tensor: Any,
+        out: Any = None,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+    ) -> Work:
+        """:meth:`all_to_all` in the background; ``wait()`` returns the result."""
+        return self._all_to_all(tensor, out, send_counts, recv_counts, True)
 
     def barrier(self) -> None:
         """Block until every rank has called barrier."""
         self._c.barrier()
+
+    def barrier_async(self) -> Work:
+        """:meth:`barrier` in the background; ``wait()`` returns None once every rank is in."""
+        return Work(self._c.barrier(True))
+
+    # -- fusion ----------------------------------------------------------------------------
+
+    def fusion(
+        self,
+        op: str = "sum",
+        cap_bytes: int = 25 << 20,
+        first_bucket_bytes: int = 1 << 20,
+        direct_bytes: int = 1 << 20,
+    ) -> "Fusion":
+        """A :class:`Fusion` (bucketed all-reduce of many tensors) on this communicator."""
+        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes)
+
+    def all_reduce_coalesced(self, tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
+        """All-reduce every tensor of `tensors` (in place, any sizes and dtypes) in fused
+        buckets of up to `cap_bytes`: the results are those of one all_reduce per tensor, with
+        a few collectives instead of one per tensor. Returns the tensors."""
+        tensors = list(tensors)
+        f = Fusion(self, op, cap_bytes, cap_bytes, max(cap_bytes, 1 << 20))
+        for t in tensors:
+            f.push(t)
+        f.finish()
+        return tensors
 
     # -- point-to-point and synchronisation ------------------------------------------------
 
@@ -619,6 +700,16 @@ class Communicator:
         _check_tensor("recv", "tensor", tensor)
         self._c.recv(src_rank, tag, tensor)
         return tensor
+
+    def send_async(self, tensor: Any, dst_rank: int, tag: int = 0) -> Work:
+        """:meth:`send` in the background."""
+        _check_tensor("send", "tensor", tensor)
+        return Work(self._c.send(dst_rank, tag, tensor, True), None, (tensor,))
+
+    def recv_async(self, tensor: Any, src_rank: int, tag: int = 0) -> Work:
+        """:meth:`recv` in the background; ``wait()`` returns `tensor`."""
+        _check_tensor("recv", "tensor", tensor)
+        return Work(self._c.recv(src_rank, tag, tensor, True), tensor, (tensor,))
 
     def send_recv(self, send: Any, dst_rank: int, recv: Any, src_rank: int, tag: int = 0) -> Any:
         """Send `send` to `dst_rank` and receive into `recv` from `src_rank` at the same time
@@ -640,6 +731,10 @@ class Communicator:
     def wait(self, src_rank: int, tag: int = 0) -> None:
         """Wait for a signal from `src_rank` with `tag`."""
         self._c.wait_signal(src_rank, tag)
+
+    def wait_async(self, src_rank: int, tag: int = 0) -> Work:
+        """:meth:`wait` in the background: the Work completes when the signal has come."""
+        return Work(self._c.wait_signal(src_rank, tag, True))
 
     # -- shared memory ---------------------------------------------------------------------
 
@@ -669,6 +764,79 @@ class Communicator:
     def new_group(self, ranks: Sequence[int]) -> "Communicator":
         """A communicator of `ranks` (in that order). Only they call it, with the same list."""
         return Communicator(self._c.new_group(list(ranks)), f"{self.name}/group{list(ranks)}")
+
+
+
+class Fusion:
+    """Gradient fusion: many tensors all-reduced in a few large buckets, started while the
+    caller is still producing tensors (e.g. during the backward pass).
+
+    Push tensors (numpy arrays or CPU torch tensors, any dtypes) as they become ready; each
+    bucket's all-reduce starts as soon as it is full, in the background. :meth:`finish` waits
+    for every bucket and leaves the results in the tensors, as if each had been all-reduced
+    alone. Every rank must push the same tensors (sizes, dtypes) in the same order. Do not
+    touch a pushed tensor before :meth:`finish` returns.
+
+    Buckets hold one dtype and up to `cap_bytes` (the first one closed `first_bucket_bytes`,
+    so communication starts early); tensors of at least `direct_bytes` are reduced in place
+    without packing. ::
+
+        fusion = comm.fusion(op="mean")
+        with fusion.step() as bucket:          # or: fusion.push(...) ... fusion.finish()
+            for g in grads_as_they_become_ready:
+                bucket.push(g)
+        # every g now holds the mean over the ranks
+    """
+
+    def __init__(self, comm: "Communicator", op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> None:
+        self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes))
+        #: Buckets of the last finished step.
+        self.last_step_buckets = 0
+
+    def push(self, tensor: Any) -> None:
+        """Add a ready tensor; launches a bucket if this fills one."""
+        _check_tensor("fusion", "tensor", tensor)
+        self._f.push(tensor)
+
+    def flush(self) -> None:
+        """Launch every partly filled bucket now."""
+        self._f.flush()
+
+    @property
+    def buckets_launched(self) -> int:
+        """Buckets launched in the current step."""
+        return self._f.buckets_launched
+
+    def finish(self) -> int:
+        """Wait for every bucket of the step, unpack the results into the tensors, start a new
+        step; returns the step's number of buckets."""
+        self.last_step_buckets = self._f.finish()
+        return self.last_step_buckets
+
+    def step(self) -> "_FusionStep":
+        """A context manager for one step: ``with fusion.step() as b: b.push(t)``; leaving it
+        calls :meth:`finish` (also on an exception, so no bucket is left in flight)."""
+        return _FusionStep(self)
+
+    def __repr__(self) -> str:
+        return repr(self._f).replace("hcomm._hcomm.", "hcomm.")
+
+
+class _FusionStep:
+    def __init__(self, fusion: Fusion) -> None:
+        self._fusion = fusion
+
+    def __enter__(self) -> Fusion:
+        return self._fusion
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self._fusion.finish()
+        else:
+            try:
+                self._fusion.finish()
+            except HcommError:
+                pass  # the exception already raising says more
 
 
 # ----------------------------------------------------------------------------------------------
@@ -777,6 +945,63 @@ def Barrier() -> None:
     _get().barrier()
 
 
+def AllReduceAsync(tensor: Any, op: str = "sum", out: Any = None) -> Work:
+    """:func:`AllReduce` in the background; returns a :class:`Work` (``wait()`` gives the
+    result)."""
+    return _get().all_reduce_async(tensor, op, out)
+
+
+def AllGatherAsync(tensor: Any, dim: int = -1, out: Any = None) -> Work:
+    """:func:`AllGather` in the background."""
+    return _get().all_gather_async(tensor, dim, out)
+
+
+def ReduceScatterAsync(tensor: Any, op: str = "sum", out: Any = None) -> Work:
+    """:func:`ReduceScatter` in the background."""
+    return _get().reduce_scatter_async(tensor, op, out)
+
+
+def BroadcastAsync(tensor: Any, root_rank: int = 0) -> Work:
+    """:func:`Broadcast` in the background."""
+    return _get().broadcast_async(tensor, root_rank)
+
+
+def ReduceAsync(tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Work:
+    """:func:`Reduce` in the background."""
+    return _get().reduce_async(tensor, op, root_rank, out)
+
+
+def GatherAsync(tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Work:
+    """:func:`Gather` in the background."""
+    return _get().gather_async(tensor, root_rank, dim, out)
+
+
+def ScatterAsync(tensor: Any, root_rank: int = 0, out: Any = None) -> Work:
+    """:func:`Scatter` in the background."""
+    return _get().scatter_async(tensor, root_rank, out)
+
+
+def AllToAllAsync(tensor: Any, out: Any = None, send_counts: Optional[Sequence[int]] = None, recv_counts: Optional[Sequence[int]] = None) -> Work:
+    """:func:`AllToAll` in the background."""
+    return _get().all_to_all_async(tensor, out, send_counts, recv_counts)
+
+
+def BarrierAsync() -> Work:
+    """:func:`Barrier` in the background."""
+    return _get().barrier_async()
+
+
+def AllReduceCoalesced(tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
+    """All-reduce many tensors in place in fused buckets; see
+    :meth:`Communicator.all_reduce_coalesced`."""
+    return _get().all_reduce_coalesced(tensors, op, cap_bytes)
+
+
+def CreateFusion(op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> Fusion:
+    """A :class:`Fusion` on the default communicator."""
+    return _get().fusion(op, cap_bytes, first_bucket_bytes, direct_bytes)
+
+
 def CreateConnection(dst_rank: int, tag: int = 0) -> Connection:
     """Open a connection to `dst_rank` under `tag` (both ranks call it)."""
     return _get().create_connection(dst_rank, tag)
@@ -785,6 +1010,16 @@ def CreateConnection(dst_rank: int, tag: int = 0) -> Connection:
 def DestroyConnection(conn: Connection) -> None:
     """Close a connection."""
     conn.close()
+
+
+def SendAsync(tensor: Any, dst_rank: int, tag: int = 0) -> Work:
+    """Send `tensor` to `dst_rank` under `tag` in the background."""
+    return _get().send_async(tensor, dst_rank, tag)
+
+
+def RecvAsync(tensor: Any, src_rank: int, tag: int = 0) -> Work:
+    """Receive into `tensor` from `src_rank` under `tag` in the background."""
+    return _get().recv_async(tensor, src_rank, tag)
 
 
 def Send(tensor: Any, conn: "Connection | int", tag: int = 0) -> None:
@@ -855,9 +1090,22 @@ gather = Gather
 scatter = Scatter
 all_to_all = AllToAll
 barrier = Barrier
+all_reduce_async = AllReduceAsync
+all_gather_async = AllGatherAsync
+reduce_scatter_async = ReduceScatterAsync
+broadcast_async = BroadcastAsync
+reduce_async = ReduceAsync
+gather_async = GatherAsync
+scatter_async = ScatterAsync
+all_to_all_async = AllToAllAsync
+barrier_async = BarrierAsync
+all_reduce_coalesced = AllReduceCoalesced
+create_fusion = CreateFusion
 create_connection = CreateConnection
 destroy_connection = DestroyConnection
 send = Send
+send_async = SendAsync
+recv_async = RecvAsync
 recv = Recv
 signal = Signal
 wait = Wait

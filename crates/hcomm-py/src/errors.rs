@@ -51,6 +51,7 @@ pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let (name, ctx, peers): (&str, Option<&hcomm::OpContext>, Vec<usize>) = match &e {
         Error::InvalidArgument { ctx, .. } => ("InvalidArgumentError", Some(ctx), vec![]),
         Error::Timeout { ctx, peers, .. } => ("HcommTimeoutError", Some(ctx), peers.clone()),
+        Error::WaitTimeout { .. } => ("HcommTimeoutError", None, vec![]),
         Error::PeerClosed { ctx, peer, .. }
         | Error::Remote { ctx, peer, .. }
         | Error::Protocol { ctx, peer, .. } => ("PeerError", Some(ctx), vec![*peer]),

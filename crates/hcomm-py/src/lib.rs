@@ -8,14 +8,19 @@
 
 mod buffer;
 mod errors;
+mod fusion;
+mod work;
 
 use buffer::{buffer, opt_buffer, same_dtype, Buf};
 use errors::{blocking, to_pyerr};
+use fusion::PyFusion;
+use hcomm::fusion::FusionOptions;
 use hcomm::{Communicator as Comm, DType, ReduceOp};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+use work::PyWork;
 
 fn parse_op(op: &str) -> PyResult<ReduceOp> {
     op.parse::<ReduceOp>().map_err(PyValueError::new_err)
@@ -70,6 +75,32 @@ impl PyComm {
             comm: Arc::new(comm),
         }
     }
+
+    /// Run `job` now (blocking, without the GIL) or, with `async_op`, on the communicator's
+    /// progress engine, returning its handle; `objects` are kept alive until it finishes.
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        async_op: bool,
+        objects: Vec<Py<PyAny>>,
+        job: impl FnOnce(&Comm) -> hcomm::Result<()> + Send + 'static,
+    ) -> PyResult<Option<PyWork>> {
+        if async_op {
+            return Ok(Some(work::submit(&self.comm, op, objects, job)));
+        }
+        let c = self.comm.clone();
+        blocking(py, move || job(&c)).map(|()| None)
+    }
+}
+
+/// The Python objects among `objs`, as owned references (kept by asynchronous jobs).
+fn keep(objs: &[Option<&Bound<'_, PyAny>>]) -> Vec<Py<PyAny>> {
+    objs.iter()
+        .flatten()
+        .filter(|o| !o.is_none())
+        .map(|o| (*o).clone().unbind())
+        .collect()
 }
 
 #[pymethods]
@@ -171,38 +202,46 @@ impl PyComm {
     }
 
     /// All-reduce `send` into `recv` with `op`; `send=None` (or the same buffer) is in place.
-    #[pyo3(signature = (send, recv, op = "sum"))]
+    #[pyo3(signature = (send, recv, op = "sum", async_op = false))]
     fn all_reduce(
         &self,
         py: Python<'_>,
         send: Option<&Bound<'_, PyAny>>,
         recv: &Bound<'_, PyAny>,
         op: &str,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "all_reduce";
         let op = parse_op(op)?;
         let r = buffer(OP, out_name(send), recv, true)?;
         let s = input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?;
         same_dtype(OP, s.as_ref(), &r)?;
-        let c = self.comm.clone();
-        // SAFETY (all byte views made from `Buf`s below): the Python objects behind them are
-        // borrowed by this call and so outlive it; input and output do not overlap.
-        blocking(py, move || unsafe {
-            c.all_reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op)
-        })
+        // SAFETY (every byte view made from a `Buf` in the jobs below): the Python objects
+        // behind the views outlive the job (borrowed by the call, or kept by the Work), and
+        // input and output do not overlap.
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.all_reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op)
+            },
+        )
     }
 
     /// All-gather: `recv` receives every rank's `send` in rank order. `counts` (elements per
     /// rank) defaults to equal blocks. `send=None` is in place (this rank's block already in
     /// `recv`).
-    #[pyo3(signature = (send, recv, counts = None))]
+    #[pyo3(signature = (send, recv, counts = None, async_op = false))]
     fn all_gather(
         &self,
         py: Python<'_>,
         send: Option<&Bound<'_, PyAny>>,
         recv: &Bound<'_, PyAny>,
         counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "all_gather";
         let n = self.comm.world_size();
         let r = buffer(OP, out_name(send), recv, true)?;
@@ -213,16 +252,21 @@ impl PyComm {
             (None, Some(s)) => vec![s.elements(); n],
             (None, None) => equal_counts(OP, "the output", r.elements(), n)?,
         };
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
-            c.all_gather_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype)
-        })
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.all_gather_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype)
+            },
+        )
     }
 
     /// Reduce-scatter: rank p receives in `recv` the reduction of block p of every rank's
     /// `send`. `counts` defaults to equal blocks. `send=None`: `recv` is the whole buffer and
     /// the result lands in this rank's block of it.
-    #[pyo3(signature = (send, recv, op = "sum", counts = None))]
+    #[pyo3(signature = (send, recv, op = "sum", counts = None, async_op = false))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -230,7 +274,8 @@ impl PyComm {
         recv: &Bound<'_, PyAny>,
         op: &str,
         counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "reduce_scatter";
         let op = parse_op(op)?;
         let n = self.comm.world_size();
@@ -242,24 +287,36 @@ impl PyComm {
             (None, Some(_)) => vec![r.elements(); n],
             (None, None) => equal_counts(OP, "the buffer", r.elements(), n)?,
         };
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
-            c.reduce_scatter_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype, op)
-        })
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.reduce_scatter_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype, op)
+            },
+        )
     }
 
     /// Broadcast `buf` from `root` to every rank, in place.
-    fn broadcast(&self, py: Python<'_>, buf: &Bound<'_, PyAny>, root: usize) -> PyResult<()> {
-        let b = buffer("broadcast", "tensor", buf, true)?;
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
+    #[pyo3(signature = (buf, root, async_op = false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "broadcast";
+        let b = buffer(OP, "tensor", buf, true)?;
+        self.dispatch(py, OP, async_op, keep(&[Some(buf)]), move |c| unsafe {
             c.broadcast_bytes(b.bytes_mut(), b.dtype, root)
         })
     }
 
     /// Reduce `send` over all ranks into `recv` on `root`. `recv` may be None on other ranks;
     /// `send=None` (or the same buffer) is in place on `recv`.
-    #[pyo3(signature = (send, recv, op, root))]
+    #[pyo3(signature = (send, recv, op, root, async_op = false))]
     fn reduce(
         &self,
         py: Python<'_>,
@@ -267,7 +324,8 @@ impl PyComm {
         recv: Option<&Bound<'_, PyAny>>,
         op: &str,
         root: usize,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "reduce";
         let op = parse_op(op)?;
         let (s, r) = match opt_buffer(OP, out_name(send), recv, true)? {
@@ -280,15 +338,14 @@ impl PyComm {
             }
         };
         same_dtype(OP, s.as_ref(), &r)?;
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
+        self.dispatch(py, OP, async_op, keep(&[send, recv]), move |c| unsafe {
             c.reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op, root)
         })
     }
 
     /// Gather every rank's `send` into `recv` on `root` (None elsewhere). `counts` defaults
     /// to equal blocks.
-    #[pyo3(signature = (send, recv, root, counts = None))]
+    #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
     fn gather(
         &self,
         py: Python<'_>,
@@ -296,7 +353,8 @@ impl PyComm {
         recv: Option<&Bound<'_, PyAny>>,
         root: usize,
         counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "gather";
         let s = buffer(OP, "tensor", send, false)?;
         let r = opt_buffer(OP, "out", recv, true)?.unwrap_or(Buf::empty(s.dtype));
@@ -307,15 +365,18 @@ impl PyComm {
         }
         same_dtype(OP, Some(&s), &r)?;
         let counts = counts.unwrap_or_else(|| vec![s.elements(); self.comm.world_size()]);
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
-            c.gather_v_bytes(s.bytes(), r.bytes_mut(), &counts, s.dtype, root)
-        })
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[Some(send), recv]),
+            move |c| unsafe { c.gather_v_bytes(s.bytes(), r.bytes_mut(), &counts, s.dtype, root) },
+        )
     }
 
     /// Scatter `root`'s `send` (None elsewhere) in rank order: every rank receives its block
     /// in `recv`. `counts` defaults to equal blocks.
-    #[pyo3(signature = (send, recv, root, counts = None))]
+    #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
     fn scatter(
         &self,
         py: Python<'_>,
@@ -323,7 +384,8 @@ impl PyComm {
         recv: &Bound<'_, PyAny>,
         root: usize,
         counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "scatter";
         let r = buffer(OP, "out", recv, true)?;
         let s = opt_buffer(OP, "tensor", send, false)?.unwrap_or(Buf::empty(r.dtype));
@@ -334,15 +396,18 @@ impl PyComm {
         }
         same_dtype(OP, Some(&s), &r)?;
         let counts = counts.unwrap_or_else(|| vec![r.elements(); self.comm.world_size()]);
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
-            c.scatter_v_bytes(s.bytes(), r.bytes_mut(), &counts, r.dtype, root)
-        })
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe { c.scatter_v_bytes(s.bytes(), r.bytes_mut(), &counts, r.dtype, root) },
+        )
     }
 
     /// All-to-all: block p of `send` goes to rank p; block p of `recv` comes from rank p.
     /// Counts (elements per peer) default to equal blocks.
-    #[pyo3(signature = (send, recv, send_counts = None, recv_counts = None))]
+    #[pyo3(signature = (send, recv, send_counts = None, recv_counts = None, async_op = false))]
     fn all_to_all(
         &self,
         py: Python<'_>,
@@ -350,7 +415,8 @@ impl PyComm {
         recv: &Bound<'_, PyAny>,
         send_counts: Option<Vec<usize>>,
         recv_counts: Option<Vec<usize>>,
-    ) -> PyResult<()> {
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         const OP: &str = "all_to_all";
         let n = self.comm.world_size();
         let s = buffer(OP, "tensor", send, false)?;
@@ -369,30 +435,49 @@ impl PyComm {
             Some(c) => c,
             None => equal_counts(OP, "the output", r.elements(), n)?,
         };
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
-            c.all_to_all_v_bytes(s.bytes(), &sc, r.bytes_mut(), &rc, r.dtype)
-        })
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[Some(send), Some(recv)]),
+            move |c| unsafe { c.all_to_all_v_bytes(s.bytes(), &sc, r.bytes_mut(), &rc, r.dtype) },
+        )
     }
 
     /// Block until every rank has called barrier.
-    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        let c = self.comm.clone();
-        blocking(py, move || c.barrier())
+    #[pyo3(signature = (async_op = false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Option<PyWork>> {
+        self.dispatch(py, "barrier", async_op, vec![], |c| c.barrier())
     }
 
     /// Send `buf` to `peer` with `tag`.
-    fn send(&self, py: Python<'_>, peer: usize, tag: u32, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+    #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        buf: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         let b = buffer("send", "tensor", buf, false)?;
-        let c = self.comm.clone();
-        blocking(py, move || unsafe { c.send_bytes(peer, tag, b.bytes()) })
+        self.dispatch(py, "send", async_op, keep(&[Some(buf)]), move |c| unsafe {
+            c.send_bytes(peer, tag, b.bytes())
+        })
     }
 
     /// Receive into `buf` the message `peer` sent with `tag` (sizes must match).
-    fn recv(&self, py: Python<'_>, peer: usize, tag: u32, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+    #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        buf: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
         let b = buffer("recv", "tensor", buf, true)?;
-        let c = self.comm.clone();
-        blocking(py, move || unsafe {
+        self.dispatch(py, "recv", async_op, keep(&[Some(buf)]), move |c| unsafe {
             c.recv_bytes(peer, tag, b.bytes_mut())
         })
     }
@@ -408,11 +493,11 @@ impl PyComm {
         tag: u32,
     ) -> PyResult<()> {
         const OP: &str = "send_recv";
-        let s = buffer(OP, "tensor", send, false)?;
-        let r = buffer(OP, "out", recv, true)?;
+        let s = buffer(OP, "send", send, false)?;
+        let r = buffer(OP, "recv", recv, true)?;
         if s.overlaps(&r) {
             return Err(PyValueError::new_err(
-                "send_recv: the input and output buffers overlap",
+                "send_recv: the send and recv buffers overlap",
             ));
         }
         let c = self.comm.clone();
@@ -428,9 +513,34 @@ impl PyComm {
     }
 
     /// Wait for a signal from `peer` with `tag`.
-    fn wait_signal(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<()> {
-        let c = self.comm.clone();
-        blocking(py, move || c.wait_signal(peer, tag))
+    #[pyo3(signature = (peer, tag, async_op = false))]
+    fn wait_signal(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        self.dispatch(py, "wait_signal", async_op, vec![], move |c| {
+            c.wait_signal(peer, tag)
+        })
+    }
+
+    /// Fused all-reduces on this communicator (see `hcomm.Fusion`).
+    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20))]
+    fn fusion(
+        &self,
+        op: &str,
+        cap_bytes: usize,
+        first_bucket_bytes: usize,
+        direct_bytes: usize,
+    ) -> PyResult<PyFusion> {
+        let opts = FusionOptions {
+            cap_bytes,
+            first_bucket_bytes,
+            direct_bytes,
+        };
+        Ok(PyFusion::new(self.comm.clone(), parse_op(op)?, opts))
     }
 
     /// Open a connection to `peer` under `tag` (both ranks call it with each other's rank).
@@ -742,6 +852,8 @@ fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<PyConnection>()?;
     m.add_class::<PySharedMemory>()?;
+    m.add_class::<PyWork>()?;
+    m.add_class::<PyFusion>()?;
     m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_size, m)?)?;
