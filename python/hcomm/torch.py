@@ -16,16 +16,21 @@ rank 0 of the group starts hcomm's rendezvous on a free port of its own and publ
 address there, so the backend never competes with torch's store for ``MASTER_PORT``.
 ``HCOMM_TIMEOUT`` (if set) or the group's timeout becomes hcomm's deadline.
 
-Operations run when they are issued (``async_op=True`` returns a completed Work);
-non-contiguous tensors go through a contiguous copy.
+With ``async_op=True`` (and for DDP's gradient buckets) allreduce, broadcast,
+all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single run on hcomm's progress
+engine and return at once; their Work completes (and its future is set, by one waiter thread
+per process group) when hcomm is done, in issue order. The other operations run when issued
+and return a completed Work. Non-contiguous tensors go through a contiguous copy.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
-from typing import Any, List, Optional
+import threading
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,6 +98,89 @@ class _Work(dist._Work):
         return fut
 
 
+class _AsyncWork(dist._Work):
+    """An operation running on hcomm's progress engine. ``wait()`` blocks (without the GIL)
+    until hcomm is done; ``get_future()`` is set by the group's waiter thread."""
+
+    def __init__(self, waiter: "_Waiter", engine: Any, outputs: List[torch.Tensor], keep: tuple, post: Optional[Callable[[], None]]) -> None:
+        super().__init__()
+        self._waiter = waiter
+        self._engine = engine
+        self._outputs = outputs
+        self._keep = keep
+        self._post = post
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._engine is None:
+                if self._error is not None:
+                    raise self._error
+                return
+            try:
+                self._engine.wait()
+                if self._post is not None:
+                    self._post()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                self._engine = None
+                self._keep = ()
+                self._post = None
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        e = self._engine
+        return e is None or (e.is_completed() and self._post is None)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        self._complete()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._waiter.put(self, fut)
+        return fut
+
+
+class _Waiter:
+    """One thread per process group that completes the futures of async Works in issue order
+    (hcomm runs them in that order)."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, work: _AsyncWork, fut: torch.futures.Future) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hcomm-torch-waiter", daemon=True)
+                self._thread.start()
+        self._q.put((work, fut))
+
+    def _run(self) -> None:
+        while True:
+            work, fut = self._q.get()
+            try:
+                work._complete()
+            except BaseException as e:  # noqa: BLE001 - handed to the future's owner
+                fut.set_exception(e)
+            else:
+                fut.set_result(work._outputs)
+
+
 def _in_place(t: torch.Tensor, f: Any) -> None:
     """Run `f` on `t`'s memory, through a contiguous copy if `t` is not contiguous."""
     if t.is_contiguous():
@@ -102,6 +190,18 @@ def _in_place(t: torch.Tensor, f: Any) -> None:
         f(tmp)
         with torch.no_grad():
             t.copy_(tmp)
+
+
+def _is_own_block(block: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
+    """True when `block` is exactly block `rank` of the contiguous tensor `whole`."""
+    n = block.numel() * block.element_size()
+    return (
+        whole.is_contiguous()
+        and block.is_contiguous()
+        and n > 0
+        and block.dtype == whole.dtype
+        and block.data_ptr() == whole.data_ptr() + rank * n
+    )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +261,24 @@ class HcommBackend(_C10dBackend):
         self._options = _C10dBackend.Options(BACKEND_NAME, timeout=timeout)
         self.comm = comm if comm is not None else _bootstrap(store, rank, size, timeout)
         self._c = self.comm._c
+        self._waiter = _Waiter()
+
+    def _run(self, opts: Any, out: torch.Tensor, keep: tuple, call: Callable[[torch.Tensor, bool], Any]) -> dist._Work:
+        """Run `call(buffer, async_op)` writing `out` (through a contiguous copy if `out` is
+        not contiguous); asynchronously when the caller asked for it."""
+        buf = out if out.is_contiguous() else out.contiguous()
+
+        def post() -> None:
+            with torch.no_grad():
+                out.copy_(buf)
+
+        if not getattr(opts, "asyncOp", False):
+            call(buf, False)
+            if buf is not out:
+                post()
+            return _Work([out])
+        engine = call(buf, True)
+        return _AsyncWork(self._waiter, engine, [out], keep + (buf,), post if buf is not out else None)
 
     @property
     def options(self) -> Any:
@@ -182,6 +300,8 @@ class HcommBackend(_C10dBackend):
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("allreduce", tensors)
         op = _op(opts)
+        if len(tensors) == 1:
+            return self._run(opts, tensors[0], (), lambda b, a: self._c.all_reduce(None, b, op, a))
         for t in tensors:
             _in_place(t, lambda b: self._c.all_reduce(None, b, op))
         return _Work(tensors)
@@ -191,6 +311,8 @@ class HcommBackend(_C10dBackend):
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("broadcast", tensors)
+        if len(tensors) == 1:
+            return self._run(opts, tensors[0], (), lambda b, a: self._c.broadcast(b, opts.rootRank, a))
         for t in tensors:
             _in_place(t, lambda b: self._c.broadcast(b, opts.rootRank))
         return _Work(tensors)
@@ -219,8 +341,10 @@ class HcommBackend(_C10dBackend):
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> _Work:
         _check_cpu("all_gather_into_tensor", [output, inp])
-        _in_place(output, lambda b: self._c.all_gather(_flat(inp), b))
-        return _Work([output])
+        src = _flat(inp)
+        if _is_own_block(src, output, self.rank()):  # in place (FSDP's usage)
+            return self._run(opts, output, (), lambda b, a: self._c.all_gather(None, b, None, a))
+        return self._run(opts, output, (src,), lambda b, a: self._c.all_gather(src, b, None, a))
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> _Work:
         for o, i in zip(outputs, inputs):
@@ -240,8 +364,12 @@ class HcommBackend(_C10dBackend):
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> _Work:
         _check_cpu("reduce_scatter_tensor", [output, inp])
         op = _op(opts)
-        _in_place(output, lambda b: self._c.reduce_scatter(_flat(inp), b, op))
-        return _Work([output])
+        src = _flat(inp)
+        if _is_own_block(output, inp, self.rank()) and inp.is_contiguous():  # in place
+            work = self._run(opts, inp, (), lambda b, a: self._c.reduce_scatter(None, b, op, None, a))
+            work._outputs = [output]
+            return work
+        return self._run(opts, output, (src,), lambda b, a: self._c.reduce_scatter(src, b, op, None, a))
 
     def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> _Work:
         for o, i in zip(outputs, inputs):
@@ -262,17 +390,16 @@ class HcommBackend(_C10dBackend):
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: List[int], input_split_sizes: List[int], opts: Any) -> _Work:
         _check_cpu("all_to_all_single", [output, inp])
         n = self.size()
+        src = _flat(inp)
         if not output_split_sizes and not input_split_sizes:
-            _in_place(output, lambda b: self._c.all_to_all(_flat(inp), b))
-            return _Work([output])
+            return self._run(opts, output, (src,), lambda b, a: self._c.all_to_all(src, b, None, None, a))
         in_row = inp.numel() // inp.size(0) if inp.dim() and inp.size(0) else 1
         out_row = output.numel() // output.size(0) if output.dim() and output.size(0) else 1
         isz = list(input_split_sizes) or [inp.size(0) // n] * n
         osz = list(output_split_sizes) or [output.size(0) // n] * n
         sc = [s * in_row for s in isz]
         rc = [s * out_row for s in osz]
-        _in_place(output, lambda b: self._c.all_to_all(_flat(inp), b, sc, rc))
-        return _Work([output])
+        return self._run(opts, output, (src,), lambda b, a: self._c.all_to_all(src, b, sc, rc, a))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("gather", inputs)
