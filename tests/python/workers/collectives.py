@@ -348,7 +348,22 @@ if W > 1:
     hs.wait()
     assert hr.wait() is got
     check("async send/recv", got, np.arange(10000) % 100 + prv, "int32")
-    ok("point-to-point: send/recv by rank and tag, connections, signals, async")
+    # a wait with a timeout that passes is not fatal: the operation goes on
+    if R == 0:
+        w = comm.wait_async(1, tag=40)
+        try:
+            w.wait(timeout=0.05)
+            raise AssertionError("the signal comes 0.3 s later")
+        except hcomm.HcommTimeoutError as e:
+            assert not e.fatal and not w.is_completed()
+        hcomm.Wait(w)
+        assert w.is_completed()
+    elif R == 1:
+        import time
+
+        time.sleep(0.3)
+        hcomm.Signal(0, tag=40)
+    ok("point-to-point: send/recv by rank and tag, connections, signals, async, wait timeouts")
 
 hcomm.Barrier()
 hcomm.DestroyHcom()
