@@ -44,7 +44,7 @@ def test_shared_memory_seen_by_two_ranks(kind):
 
 
 @needs_torch
-@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_torch_distributed_backend(n):
     out = run_job(n, [WORKERS / "torch_backend.py"], timeout=180)
     assert "ok all_to_all" in out
