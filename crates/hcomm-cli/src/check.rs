@@ -163,3 +163,153 @@ pub fn run(comm: &Communicator, o: &CheckOpts) -> Result<(usize, usize)> {
     comm.set_algorithm(Collective::AllReduce, Algo::Auto)?;
     Ok((all.len(), failed_cases))
 }
+
+/// What a soak run does: `ops` random cases (or until `duration` passes, whichever is first),
+/// from `seed`.
+#[derive(Clone, Debug)]
+pub struct SoakOpts {
+    /// Random cases to run.
+    pub ops: usize,
+    /// Stop early after this long (the ranks agree on when, at a case boundary).
+    pub duration: Option<std::time::Duration>,
+    /// Seed of the case sequence (the same on every rank).
+    pub seed: u64,
+}
+
+/// What a soak run saw (summed over ranks).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SoakReport {
+    /// Cases run (each by every rank).
+    pub ops: usize,
+    /// Of which run through the asynchronous engine.
+    pub async_ops: usize,
+    /// Wrong results (rank × case).
+    pub wrong: usize,
+}
+
+/// splitmix64: a tiny deterministic generator, identical on every rank.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// The `i`-th random case of a soak with `seed` on `n` ranks (every rank computes the same).
+pub fn soak_case(seed: u64, i: usize, n: usize, supports: &dyn Fn(Algo) -> bool) -> Case {
+    let mut g = SplitMix(seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let coll = Collective::ALL[g.below(Collective::ALL.len())];
+    let algos: Vec<Algo> = std::iter::once(Algo::Auto)
+        .chain(coll.algorithms().iter().copied())
+        .filter(|&a| supports(a))
+        .collect();
+    // Mostly small (latency paths), some medium, a few large (pipelined paths).
+    let count = match g.below(100) {
+        0..=69 => g.below(2000),
+        70..=94 => g.below(100_000),
+        _ => g.below(1_000_000),
+    };
+    Case {
+        coll,
+        dtype: DType::ALL[g.below(DType::ALL.len())],
+        op: if reduces(coll) {
+            ReduceOp::ALL[g.below(ReduceOp::ALL.len())]
+        } else {
+            ReduceOp::Sum
+        },
+        count: if coll == Collective::Barrier {
+            0
+        } else {
+            count
+        },
+        root: if rooted(coll) { g.below(n) } else { 0 },
+        in_place: has_in_place(coll) && g.below(2) == 1,
+        algo: algos[g.below(algos.len())],
+        seed: g.next() % 1000,
+    }
+}
+
+/// Random operations, each checked against the reference; every fourth case runs through the
+/// asynchronous engine with up to three more in flight. Wrong results are printed with the
+/// case as they happen; the report is summed over the ranks.
+pub fn soak(comm: &std::sync::Arc<Communicator>, o: &SoakOpts) -> Result<SoakReport> {
+    let n = comm.world_size();
+    let me = comm.rank();
+    let start = std::time::Instant::now();
+    let mut in_flight: std::collections::VecDeque<(Case, hcomm::Work<Option<String>>)> =
+        std::collections::VecDeque::new();
+    let mut rep = SoakReport::default();
+    let report = |case: &Case, diff: Option<String>, rep: &mut SoakReport| {
+        if let Some(msg) = diff {
+            rep.wrong += 1;
+            crate::say!("FAIL rank {me} of {n}: {case}: {msg}");
+        }
+    };
+    for i in 0..o.ops {
+        if i % 64 == 0 {
+            if let Some(limit) = o.duration {
+                // Agree on stopping (rank 0's clock) so that every rank runs the same cases.
+                let mut stop = [u8::from(start.elapsed() >= limit)];
+                comm.broadcast(&mut stop, 0)?;
+                if stop[0] == 1 {
+                    break;
+                }
+            }
+        }
+        let case = soak_case(o.seed, i, n, &|a| comm.supports(a));
+        if i % 4 == 3 {
+            let c = case.clone();
+            in_flight.push_back((case, comm.run_async("soak", move |comm| run_case(comm, &c))));
+            rep.async_ops += 1;
+            if in_flight.len() >= 4 {
+                let (case, w) = in_flight.pop_front().expect("non-empty");
+                report(&case, w.wait()?, &mut rep);
+            }
+        } else {
+            // A blocking case waits its turn behind the asynchronous ones already issued.
+            report(&case, run_case(comm, &case)?, &mut rep);
+        }
+        rep.ops += 1;
+    }
+    while let Some((case, w)) = in_flight.pop_front() {
+        report(&case, w.wait()?, &mut rep);
+    }
+    let mut wrong = [rep.wrong as u64];
+    comm.all_reduce_in_place(&mut wrong, ReduceOp::Sum)?;
+    rep.wrong = wrong[0] as usize;
+    for c in Collective::ALL {
+        comm.set_algorithm(c, Algo::Auto)?;
+    }
+    Ok(rep)
+}
+
+#[cfg(test)]
+mod soak_tests {
+    use super::*;
+
+    #[test]
+    fn soak_cases_are_deterministic_and_cover_every_collective() {
+        let all = |_: Algo| true;
+        let a: Vec<String> = (0..500)
+            .map(|i| soak_case(7, i, 3, &all).to_string())
+            .collect();
+        let b: Vec<String> = (0..500)
+            .map(|i| soak_case(7, i, 3, &all).to_string())
+            .collect();
+        assert_eq!(a, b);
+        for c in Collective::ALL {
+            assert!(a.iter().any(|s| s.starts_with(c.name())), "{}", c.name());
+        }
+        let tcp_only = |a: Algo| a != Algo::Shm && a != Algo::Hierarchical;
+        assert!((0..500).all(|i| tcp_only(soak_case(7, i, 3, &tcp_only).algo)));
+    }
+}

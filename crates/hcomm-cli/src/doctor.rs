@@ -133,6 +133,20 @@ pub fn local_checks(cfg: Option<&BootstrapConfig>, report: &mut Report) {
                 cfg.rank, cfg.world_size, cfg.source, cfg.master_addr, cfg.master_port, cfg.timeout
             ),
         );
+        match cfg.token() {
+            Ok(Some(_)) => report.add(
+                Level::Ok,
+                "authentication",
+                "a job token is set: every connection proves it",
+            ),
+            Ok(None) if cfg.world_size > 1 => report.add(
+                Level::Warn,
+                "authentication",
+                "no job token (HCOMM_JOB_TOKEN / HCOMM_TOKEN_FILE): whoever reaches the ports can join; `hcomm run` sets one",
+            ),
+            Ok(None) => {}
+            Err(e) => report.add(Level::Fail, "authentication", e.to_string()),
+        }
         match resolve(&cfg.master_addr, cfg.master_port) {
             Err(e) => report.add(
                 Level::Fail,

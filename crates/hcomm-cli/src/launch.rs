@@ -16,6 +16,13 @@
 //!
 //! Every rank runs in its own process group, with stdin connected to
 //! `/dev/null`.
+//!
+//! Each job gets a fresh random token ([`ENV_JOB_TOKEN`], 32 bytes from the
+//! operating system's generator) that its ranks prove on every connection,
+//! unless the environment (or [`LaunchSpec::extra_env`]) already names a
+//! token or a token file, which the ranks then use. A job on several nodes
+//! needs the same token on every node, so there the launcher makes none: set
+//! one (it warns when none is set and the job runs unauthenticated).
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -45,6 +52,10 @@ pub const ENV_LOCAL_WORLD_SIZE: &str = "HCOMM_LOCAL_WORLD_SIZE";
 pub const ENV_MASTER_ADDR: &str = "HCOMM_MASTER_ADDR";
 /// Environment variable holding the rendezvous port.
 pub const ENV_MASTER_PORT: &str = "HCOMM_MASTER_PORT";
+/// Environment variable holding the job's shared secret, which every connection proves.
+pub const ENV_JOB_TOKEN: &str = "HCOMM_JOB_TOKEN";
+/// Environment variable naming a file that holds the job's shared secret.
+pub const ENV_TOKEN_FILE: &str = "HCOMM_TOKEN_FILE";
 
 /// Default rendezvous address ([`LaunchSpec::master_addr`]).
 pub const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
@@ -479,6 +490,8 @@ struct Ctx<'a> {
     spec: &'a LaunchSpec,
     output: &'a Output,
     port: u16,
+    /// The token this launcher made for the job, if it made one. Never printed.
+    token: Option<&'a str>,
     events: &'a Sender<Event>,
     readers_done: &'a Sender<()>,
 }
@@ -509,6 +522,9 @@ fn spawn_rank(
         (ENV_MASTER_PORT, "MASTER_PORT", &port),
     ] {
         cmd.env(hcomm, value).env(torch, value);
+    }
+    if let Some(token) = ctx.token {
+        cmd.env(ENV_JOB_TOKEN, token);
     }
     cmd.envs(spec.extra_env.iter().map(|(k, v)| (k, v)));
     if ctx.output.piped {
@@ -679,6 +695,32 @@ fn supervise(
     result
 }
 
+/// The token to export to the ranks: a fresh one, unless a token or token file
+/// is given already (the ranks inherit it) or the job spans several nodes
+/// (where each node's launcher would make a different one).
+fn job_token(spec: &LaunchSpec, err: &Sink) -> Result<Option<String>, LaunchError> {
+    let given = |var: &str| {
+        std::env::var_os(var).is_some_and(|v| !v.to_string_lossy().trim().is_empty())
+            || spec
+                .extra_env
+                .iter()
+                .any(|(k, v)| k == var && !v.trim().is_empty())
+    };
+    if given(ENV_JOB_TOKEN) || given(ENV_TOKEN_FILE) {
+        return Ok(None);
+    }
+    if spec.nnodes > 1 {
+        err.message(&format!(
+            "neither {ENV_JOB_TOKEN} nor {ENV_TOKEN_FILE} is set: the {} nodes cannot share \
+             a generated token, so this job's connections are not authenticated \
+             (set the same {ENV_TOKEN_FILE} or {ENV_JOB_TOKEN} on every node)",
+            spec.nnodes
+        ));
+        return Ok(None);
+    }
+    Ok(Some(hcomm::auth::generate_token()?))
+}
+
 /// The whole launch; `program_of(local_rank)` names the program to run
 /// (always `spec.program`, except in tests).
 fn run(
@@ -691,6 +733,7 @@ fn run(
         Some(port) => port,
         None => free_port(&spec.master_addr)?,
     };
+    let token = job_token(spec, &output.err)?;
     // Before any rank exists, so that a signal cannot kill the launcher and
     // leave ranks behind.
     install_signal_thread()?;
@@ -706,6 +749,7 @@ fn run(
             spec,
             output: &output,
             port,
+            token: token.as_deref(),
             events: &tx,
             readers_done: &readers_done,
         };

@@ -8,4 +8,5 @@ pub mod doctor;
 pub mod fusion_bench;
 pub mod launch;
 pub mod plot;
+pub mod simulate;
 pub mod workers;

@@ -31,6 +31,8 @@ enum Cmd {
     Check(CheckArgs),
     /// Benchmark an operation in the nccl-tests format.
     Bench(BenchArgs),
+    /// Predict collective times at any scale from an α-β-γ model of hcomm's schedules.
+    Simulate(SimulateArgs),
     /// Diagnose configuration and connectivity (config, master port, interfaces, /dev/shm, fd limit, all-pairs latency/bandwidth).
     Doctor(DoctorArgs),
 }
@@ -121,6 +123,44 @@ struct CheckArgs {
     /// Print every case.
     #[arg(short, long)]
     verbose: bool,
+    /// Soak instead of the sweep: this many random cases (random collective, dtype, op, count,
+    /// root, algorithm; a quarter through the async engine), each checked.
+    #[arg(long)]
+    soak: Option<usize>,
+    /// Soak: stop after this many seconds even if cases remain.
+    #[arg(long)]
+    seconds: Option<f64>,
+}
+
+#[derive(Args)]
+struct SimulateArgs {
+    /// Ranks per host.
+    #[arg(long, default_value_t = 8)]
+    ranks_per_host: usize,
+    /// Hosts.
+    #[arg(long, default_value_t = 128)]
+    hosts: usize,
+    /// Message sizes (comma-separated, K/M/G suffixes).
+    #[arg(long, default_value = "8,64K,1M,64M,1G", value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<usize>,
+    /// Network latency between hosts, microseconds.
+    #[arg(long, default_value_t = 30.0)]
+    net_latency_us: f64,
+    /// Network bandwidth of one host link, Gbit/s.
+    #[arg(long, default_value_t = 10.0)]
+    net_gbit: f64,
+    /// Shared-memory handoff latency, microseconds.
+    #[arg(long, default_value_t = 1.0)]
+    shm_latency_us: f64,
+    /// Shared-memory copy bandwidth per rank, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    mem_gbs: f64,
+    /// Reduction throughput per rank, GB/s.
+    #[arg(long, default_value_t = 8.0)]
+    reduce_gbs: f64,
+    /// One JSON object per row.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -330,6 +370,41 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
         Err(code) => return code,
     };
     let start = std::time::Instant::now();
+    if let Some(ops) = a.soak {
+        let comm = std::sync::Arc::new(comm);
+        let so = check::SoakOpts {
+            ops,
+            duration: a.seconds.map(Duration::from_secs_f64),
+            seed: a.seed,
+        };
+        return match check::soak(&comm, &so) {
+            Ok(r) => {
+                if comm.rank() == 0 {
+                    println!(
+                        "hcomm check --soak: {} ranks: {} random operations ({} async), {} wrong results, seed {} ({:.1} s)",
+                        comm.world_size(),
+                        r.ops,
+                        r.async_ops,
+                        r.wrong,
+                        a.seed,
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+                if r.wrong == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                }
+            }
+            Err(e) => {
+                hcomm_cli::say!(
+                    "hcomm check --soak: rank {}: operation failed: {e}",
+                    comm.rank()
+                );
+                ExitCode::from(1)
+            }
+        };
+    }
     match check::run(&comm, &o) {
         Ok((cases, failed)) => {
             if comm.rank() == 0 {
@@ -400,6 +475,57 @@ fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+fn cmd_simulate(a: SimulateArgs) -> ExitCode {
+    use hcomm_cli::simulate::{predict, Model};
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if a.ranks_per_host == 0
+        || a.hosts == 0
+        || ![a.net_gbit, a.mem_gbs, a.reduce_gbs]
+            .into_iter()
+            .all(positive)
+        || !(a.net_latency_us >= 0.0 && a.shm_latency_us >= 0.0)
+    {
+        hcomm_cli::say!("hcomm simulate: ranks, hosts, bandwidths and rates must be positive, latencies not negative");
+        return ExitCode::from(2);
+    }
+    let m = Model {
+        ranks_per_host: a.ranks_per_host,
+        hosts: a.hosts,
+        alpha_net: a.net_latency_us * 1e-6,
+        beta_net: a.net_gbit * 1e9 / 8.0,
+        alpha_shm: a.shm_latency_us * 1e-6,
+        beta_mem: a.mem_gbs * 1e9,
+        gamma: a.reduce_gbs * 1e9,
+    };
+    if !a.json {
+        println!(
+            "# hcomm simulate: {} hosts x {} ranks = {} ranks; network {} Gbit/s, {} us; shm {} GB/s, {} us; reduce {} GB/s",
+            a.hosts, a.ranks_per_host, m.ranks(), a.net_gbit, a.net_latency_us, a.mem_gbs, a.shm_latency_us, a.reduce_gbs
+        );
+        println!(
+            "#{:>13} {:>12} {:>14} {:>14} {:>10}",
+            "size(B)", "collective", "algorithm", "time(us)", "busbw"
+        );
+    }
+    for &size in &a.sizes {
+        for p in predict(&m, size) {
+            if a.json {
+                println!("{}", serde_json::to_string(&p).unwrap_or_default());
+            } else {
+                println!(
+                    " {:>13} {:>12} {:>14} {:>14.2} {:>10.3}",
+                    p.bytes,
+                    p.collective,
+                    p.algorithm,
+                    p.seconds * 1e6,
+                    p.busbw_gbs
+                );
+            }
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 fn cmd_bench(a: BenchArgs) -> ExitCode {
@@ -585,6 +711,7 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => cmd_demo(a),
         Cmd::Check(a) => cmd_check(a),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Simulate(a) => cmd_simulate(a),
         Cmd::Doctor(a) => cmd_doctor(a),
     }
 }

@@ -414,7 +414,10 @@ fn doctor_measures_every_pair() {
         "{out}"
     );
     assert!(
-        err.contains("bootstrap") && err.contains("fd limit") && err.contains("/dev/shm"),
+        err.contains("bootstrap")
+            && err.contains("fd limit")
+            && err.contains("/dev/shm")
+            && err.contains("a job token is set"),
         "{err}"
     );
 }
@@ -478,4 +481,57 @@ fn bench_fusion_reports_every_mode() {
     );
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--scale"), "{err}");
+}
+
+#[test]
+fn soak_runs_random_operations_against_the_reference() {
+    for (np, transport, seed) in [("2", "auto", "21"), ("3", "tcp", "22"), ("4", "auto", "23")] {
+        let (code, out, err) = hcomm_env(
+            &[
+                "check",
+                "-np",
+                np,
+                "--soak",
+                "600",
+                "--seconds",
+                "25",
+                "--seed",
+                seed,
+            ],
+            &[
+                ("HCOMM_TIMEOUT", "60".to_string()),
+                ("HCOMM_TRANSPORT", transport.to_string()),
+            ],
+            Duration::from_secs(150),
+        );
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(out.contains("0 wrong results"), "{out}");
+    }
+}
+
+#[test]
+fn simulate_predicts_every_algorithm_at_scale() {
+    let (code, out, err) = hcomm(
+        &[
+            "simulate",
+            "--hosts",
+            "2048",
+            "--ranks-per-host",
+            "8",
+            "--sizes",
+            "1M,64M",
+            "--json",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let rows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 8, "{out}");
+    assert!(rows.iter().any(|r| r["algorithm"] == "hierarchical"));
+    assert!(rows.iter().all(|r| r["seconds"].as_f64().unwrap() > 0.0));
+    let (code, _, err) = hcomm(&["simulate", "--net-gbit", "0"], Duration::from_secs(30));
+    assert_eq!(code, Some(2), "{err}");
 }

@@ -338,3 +338,56 @@ fn invalid_specs_are_rejected_before_anything_runs() {
         assert!(!dir.path().join("ran").exists());
     });
 }
+
+/// The `token=` values the ranks printed, by rank.
+fn tokens(spec: &LaunchSpec) -> (Vec<String>, String) {
+    let run = run_captured(spec);
+    assert_eq!(run.result.unwrap(), 0, "stderr: {}", run.err);
+    let mut lines: Vec<&str> = run.out.lines().collect();
+    lines.sort();
+    let tokens = lines
+        .iter()
+        .map(|l| l.split_once("token=").expect("a token line").1.to_string())
+        .collect();
+    (tokens, run.err)
+}
+
+#[test]
+fn each_job_gets_a_fresh_token_unless_one_is_given() {
+    if std::env::var_os("HCOMM_JOB_TOKEN").is_some()
+        || std::env::var_os("HCOMM_TOKEN_FILE").is_some()
+    {
+        return; // the launcher would pass the given one on
+    }
+    with_timeout(LIMIT, || {
+        let spec = LaunchSpec::new(3, "sh", ["-c", "echo \"token=$HCOMM_JOB_TOKEN\""]);
+        let (a, err) = tokens(&spec);
+        assert_eq!(a.len(), 3);
+        assert!(a.iter().all(|t| t == &a[0]), "one token per job: {a:?}");
+        assert!(
+            a[0].len() == 64 && a[0].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{a:?}"
+        );
+        assert!(!err.contains(&a[0]));
+        let (b, _) = tokens(&spec);
+        assert_ne!(a[0], b[0], "a fresh token per job");
+
+        let mut given = spec.clone();
+        given
+            .extra_env
+            .push(("HCOMM_JOB_TOKEN".into(), "my-own-token-0123456789".into()));
+        assert_eq!(tokens(&given).0, vec!["my-own-token-0123456789"; 3]);
+        let mut file = spec.clone();
+        file.extra_env
+            .push(("HCOMM_TOKEN_FILE".into(), "/etc/hcomm/token".into()));
+        assert_eq!(tokens(&file).0, vec![""; 3]);
+
+        // Launchers on several nodes cannot agree on a token they make: none, and a warning.
+        let mut nodes = spec.clone();
+        nodes.nnodes = 2;
+        nodes.master_port = Some(29555);
+        let (t, err) = tokens(&nodes);
+        assert_eq!(t, vec![""; 3]);
+        assert!(err.contains("not authenticated"), "{err}");
+    });
+}

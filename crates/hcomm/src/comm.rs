@@ -2,7 +2,8 @@
 //! operations over them.
 
 use crate::algo::{Algo, Run};
-use crate::bootstrap::store::{StoreClient, StoreServer};
+use crate::auth::{ConnectionStats, JobToken};
+use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
 use crate::config::{BootstrapConfig, TransportKind};
 use crate::dtype::{DType, Element, ReduceOp};
@@ -17,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::engine::{Engine, TurnGuard};
+use crate::history::{History, OpRecord};
 use std::time::{Duration, Instant};
 
 /// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
@@ -234,6 +236,8 @@ pub(crate) struct Inner {
     open_conns: HashSet<(usize, u32)>,
     /// Id of the last point-to-point message sent to each peer.
     p2p_ids: Vec<u64>,
+    /// The last operations, for hang reports.
+    history: History,
     /// Shared memory, when every rank of this communicator shares this host.
     shm: Option<crate::shm::ShmGroup>,
 }
@@ -275,6 +279,11 @@ pub struct Communicator {
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
+    /// The job token every connection proves (inherited by sub-communicators).
+    token: Option<JobToken>,
+    /// Where this rank accepts data links, and what became of the connections there.
+    listen_addr: SocketAddr,
+    link_counters: Arc<crate::auth::Counters>,
     /// Turn-taking and the engine thread of asynchronous operations (see [`crate::engine`]).
     /// Declared last: dropped after everything above, so the engine thread never outlives a
     /// communicator a job still uses (jobs hold the communicator through an `Arc`).
@@ -331,9 +340,23 @@ pub(crate) fn random_u64() -> u64 {
 
 fn hash64(s: &str) -> u64 {
     // FNV-1a: stable across processes (std's hasher is randomised).
-    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3)
-    })
+    crate::auth::comm_hash(s)
+}
+
+/// A failure to reach or join the rendezvous store: a refused handshake is an authentication
+/// error, anything else a configuration one.
+fn store_connect_error(prefix: &str, e: StoreError) -> Error {
+    match e {
+        StoreError::Handshake { .. } => Error::Auth {
+            ctx: OpContext {
+                op: "bootstrap",
+                seq: 0,
+            },
+            peer: None,
+            msg: format!("{prefix}{e}"),
+        },
+        other => Error::Config(format!("{prefix}{other}")),
+    }
 }
 
 fn init_logging() {
@@ -384,11 +407,17 @@ impl Communicator {
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
         init_logging();
         let start = Instant::now();
+        let token = cfg.token()?;
+        if token.is_none() && cfg.world_size > 1 {
+            tracing::info!(
+                "no job token (HCOMM_JOB_TOKEN / HCOMM_TOKEN_FILE): connections are not authenticated"
+            );
+        }
         let master = format!("{}:{}", cfg.master_addr, cfg.master_port);
         let server = if cfg.rank == 0 {
             let addr = bootstrap::resolve(&cfg.master_addr, cfg.master_port)
                 .map_err(|e| Error::Config(format!("master address {master}: {e}")))?;
-            let srv = StoreServer::start(addr).map_err(|e| {
+            let srv = StoreServer::start(addr, token.clone()).map_err(|e| {
                 Error::Config(format!(
                     "rank 0 cannot listen on the master address {addr}: {e}{}",
                     if e.kind() == std::io::ErrorKind::AddrInUse {
@@ -406,8 +435,8 @@ impl Communicator {
             Some(s) => s.addr().to_string(),
             None => master.clone(),
         };
-        let store = StoreClient::connect(&store_addr, cfg.timeout)
-            .map_err(|e| Error::Config(format!("rank {}: {e}", cfg.rank)))?;
+        let store = StoreClient::connect(&store_addr, cfg.timeout, token.as_ref())
+            .map_err(|e| store_connect_error(&format!("rank {}: ", cfg.rank), e))?;
         let ip = bootstrap::select_listen_ip(
             cfg.socket_ifname.as_deref(),
             cfg.listen_host.as_deref(),
@@ -435,6 +464,7 @@ impl Communicator {
             local_size_hint: cfg.local_world_size,
             algo,
             transport: cfg.transport,
+            token,
         })?;
         tracing::info!(
             rank = comm.rank,
@@ -462,6 +492,7 @@ impl Communicator {
             local_size_hint,
             algo,
             transport,
+            token,
         } = a;
         let listener = TcpLinks::listen(ip)
             .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?;
@@ -488,8 +519,11 @@ impl Communicator {
             listener,
             peers.iter().map(|p| p.addr).collect(),
             hash64(&comm_id),
+            token.clone(),
             policy,
-        );
+        )
+        .map_err(|e| Error::Config(format!("cannot start accepting data links: {e}")))?;
+        let (listen_addr, link_counters) = (links.listen_addr(), links.counters());
         let aborted = Arc::new(AtomicBool::new(false));
         links.set_abort_flag(aborted.clone());
         let shm = if transport != TransportKind::Tcp && size > 1 && local.len() == size {
@@ -538,6 +572,7 @@ impl Communicator {
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
                 p2p_ids: vec![0; size],
+                history: History::new(rank),
                 shm,
             }),
             _server: server,
@@ -548,8 +583,33 @@ impl Communicator {
             hierarchy: Mutex::new(None),
             hier_layout,
             corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
+            token,
+            listen_addr,
+            link_counters,
             engine: Engine::default(),
         })
+    }
+
+    /// The address this rank accepts data links of this communicator on.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.listen_addr
+    }
+
+    /// What became of the connections to this rank's data-link listener (of this
+    /// communicator) so far: how many were authenticated, and how many turned away and why.
+    pub fn connection_stats(&self) -> ConnectionStats {
+        self.link_counters.snapshot()
+    }
+
+    /// On the rank that hosts the rendezvous store (rank 0 of the job), what became of the
+    /// connections to it so far; `None` on the other ranks.
+    pub fn store_connection_stats(&self) -> Option<ConnectionStats> {
+        self._server.as_ref().map(|s| s.stats())
+    }
+
+    /// Whether this communicator's connections are authenticated with a job token.
+    pub fn is_authenticated(&self) -> bool {
+        self.token.is_some()
     }
 
     /// This rank, `0..world_size()`.
@@ -592,8 +652,10 @@ impl Communicator {
         Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
-    /// Change the deadline applied to every later blocking call.
+    /// Change the deadline of every operation issued after this call (in issue order, like
+    /// [`set_algorithm`](Self::set_algorithm): queued asynchronous operations keep theirs).
     pub fn set_timeout(&self, d: Duration) {
+        let _turn = self.engine.turns.enter();
         self.timeout_ns
             .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
@@ -641,8 +703,8 @@ impl Communicator {
         let mut guard = self.store.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             *guard = Some(
-                StoreClient::connect(&self.store_addr, self.timeout())
-                    .map_err(|e| Error::Config(e.to_string()))?,
+                StoreClient::connect(&self.store_addr, self.timeout(), self.token.as_ref())
+                    .map_err(|e| store_connect_error("", e))?,
             );
         }
         f(guard.as_mut().expect("connected"))
@@ -657,8 +719,14 @@ impl Communicator {
     /// requests, which it may be waiting for).
     pub(crate) fn store_get(&self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
         let left = deadline.saturating_duration_since(Instant::now());
-        let got = StoreClient::connect(&self.store_addr, left.max(Duration::from_millis(10)))
-            .and_then(|mut s| s.get(key, left))
+        let mut store = StoreClient::connect(
+            &self.store_addr,
+            left.max(Duration::from_millis(10)),
+            self.token.as_ref(),
+        )
+        .map_err(|e| store_connect_error("", e))?;
+        let got = store
+            .get(key, left)
             .map_err(|e| Error::Config(format!("rendezvous store: {e}")));
         got.map_err(|e| match e {
             Error::Config(m) if m.contains("timed out") => Error::Timeout {
@@ -694,7 +762,9 @@ impl Communicator {
         self.shm_bytes
     }
 
-    /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice).
+    /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
+    /// effect in issue order: for operations issued after this call, not for asynchronous
+    /// ones already queued.
     pub fn set_algorithm(&self, coll: Collective, algo: Algo) -> Result<()> {
         if algo == Algo::Hierarchical && self.hierarchical_layout().is_none() {
             return Err(Error::invalid(
@@ -717,6 +787,9 @@ impl Communicator {
                 format!("{} cannot run with '{algo}'", coll.name()),
             ));
         }
+        // In issue order, like an operation: it applies to the operations issued after it,
+        // never to asynchronous ones issued before it and still queued.
+        let _turn = self.engine.turns.enter();
         self.inner.lock().unwrap().algo.insert(coll, algo);
         Ok(())
     }
@@ -738,6 +811,17 @@ impl Communicator {
         &self.engine
     }
 
+    /// The last operations this communicator finished (at most
+    /// [`HISTORY_LEN`](crate::history::HISTORY_LEN), oldest first), with how long each took and
+    /// how it ended. A timeout logs them as a hang report.
+    pub fn recent_operations(&self) -> Vec<OpRecord> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .history
+            .records()
+    }
+
     /// Number of open TCP links (both directions), for resource accounting.
     pub fn open_links(&self) -> usize {
         self.inner.lock().unwrap().links.open_links()
@@ -754,7 +838,9 @@ impl Communicator {
             inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
             _turn: turn,
         };
+        let mut inner = inner;
         let ctx = OpContext { op, seq: inner.seq };
+        inner.history.begin(&ctx);
         if self.aborted.load(Ordering::SeqCst) {
             return Err(Error::Aborted { ctx });
         }
@@ -777,6 +863,9 @@ impl Communicator {
     fn finish<T>(inner: &mut Inner, collective: bool, r: Result<T>) -> Result<T> {
         if collective {
             inner.seq += 1;
+        }
+        if let Some(report) = inner.history.end(r.as_ref().map(|_| ())) {
+            tracing::error!("{report}");
         }
         if let Err(e) = &r {
             if e.is_fatal() && inner.poisoned.is_none() {
@@ -1193,8 +1282,8 @@ impl Communicator {
     fn sub_communicator(&self, comm_id: String, ranks: &[usize]) -> Result<Communicator> {
         let rank = ranks.iter().position(|&r| r == self.rank).expect("member");
         let timeout = self.timeout();
-        let store = StoreClient::connect(&self.store_addr, timeout)
-            .map_err(|e| Error::Config(e.to_string()))?;
+        let store = StoreClient::connect(&self.store_addr, timeout, self.token.as_ref())
+            .map_err(|e| store_connect_error("", e))?;
         let ip = {
             let inner = self.inner.lock().unwrap();
             inner.links.listen_ip()
@@ -1213,6 +1302,7 @@ impl Communicator {
             local_size_hint: None,
             algo,
             transport: self.transport,
+            token: self.token.clone(),
         })?;
         c.thresholds = self.thresholds;
         Ok(c)
@@ -1530,6 +1620,7 @@ struct BuildArgs {
     local_size_hint: Option<usize>,
     algo: HashMap<Collective, Algo>,
     transport: TransportKind,
+    token: Option<JobToken>,
 }
 
 /// A connection to one peer under one tag (connection-oriented point-to-point, as HCCL's

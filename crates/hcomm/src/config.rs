@@ -22,6 +22,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::auth::JobToken;
+
 /// Which transport hcomm uses between ranks (`HCOMM_TRANSPORT`, or the rank
 /// table's `transport` field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -122,8 +124,12 @@ pub struct BootstrapConfig {
     /// Address this rank listens on for data links (the rank table's `host`); `None` lets
     /// hcomm choose (`socket_ifname`, else the address that routes to the master).
     pub listen_host: Option<String>,
-    /// File holding the job's shared authentication token, if any.
+    /// File holding the job's shared authentication token, if any (`HCOMM_TOKEN_FILE` or the
+    /// rank table's `token_file`).
     pub token_file: Option<PathBuf>,
+    /// The job's shared authentication token itself (`HCOMM_JOB_TOKEN`), if given. At most one
+    /// of `job_token` and `token_file` is set; see [`BootstrapConfig::token`].
+    pub job_token: Option<JobToken>,
     /// Where `rank` and `world_size` came from.
     pub source: LaunchSource,
 }
@@ -227,6 +233,14 @@ pub enum ConfigError {
         world_size: usize,
         /// Where rank and world size came from.
         launcher: LaunchSource,
+    },
+    /// The job token (`HCOMM_JOB_TOKEN`, or a token file) is unusable. Never quotes the token.
+    #[error("{origin}: {reason}")]
+    Token {
+        /// Where the token came from (the variable, or the file).
+        origin: String,
+        /// What is wrong with it.
+        reason: String,
     },
     /// The rank table file could not be read.
     #[error("rank table {}: cannot read: {source}", .path.display())]
@@ -556,7 +570,7 @@ impl BootstrapConfig {
             None => Self::DEFAULT_PORT,
         };
 
-        Ok(BootstrapConfig {
+        BootstrapConfig {
             rank,
             world_size,
             local_rank: local_rank.map(|(n, _)| n),
@@ -569,8 +583,59 @@ impl BootstrapConfig {
             socket_ifname: vars.get("HCOMM_SOCKET_IFNAME"),
             listen_host: None,
             token_file: vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from),
+            job_token: None,
             source: launcher.source,
-        })
+        }
+        .with_env_token(&vars, false)
+    }
+
+    /// Take `HCOMM_JOB_TOKEN` from `vars`, unless the rank table names a token file
+    /// (`table_file`: the table wins). With `HCOMM_TOKEN_FILE` set too, it is an error.
+    fn with_env_token<F: Fn(&str) -> Option<String>>(
+        mut self,
+        vars: &Vars<F>,
+        table_file: bool,
+    ) -> Result<Self, ConfigError> {
+        const VAR: &str = "HCOMM_JOB_TOKEN";
+        let Some(value) = vars.get(VAR) else {
+            return Ok(self);
+        };
+        if table_file {
+            return Ok(self);
+        }
+        if vars.get("HCOMM_TOKEN_FILE").is_some() {
+            return Err(ConfigError::Token {
+                origin: VAR.into(),
+                reason: "HCOMM_TOKEN_FILE is set too: set one of them".into(),
+            });
+        }
+        let token = JobToken::new(value.as_bytes()).map_err(|e| ConfigError::Token {
+            origin: VAR.into(),
+            reason: e.to_string(),
+        })?;
+        self.job_token = Some(token);
+        Ok(self)
+    }
+
+    /// The job token: `job_token`, else the content of `token_file`, else `None` (connections
+    /// are then not authenticated).
+    pub fn token(&self) -> Result<Option<JobToken>, ConfigError> {
+        match (&self.job_token, &self.token_file) {
+            (Some(_), Some(_)) => Err(ConfigError::Token {
+                origin: "configuration".into(),
+                reason: "both a job token and a token file are set: set one of them".into(),
+            }),
+            (Some(t), None) => Ok(Some(t.clone())),
+            (None, Some(path)) => {
+                JobToken::from_file(path)
+                    .map(Some)
+                    .map_err(|e| ConfigError::Token {
+                        origin: "HCOMM_TOKEN_FILE / token_file".into(),
+                        reason: e.to_string(),
+                    })
+            }
+            (None, None) => Ok(None),
+        }
     }
 
     /// Loads the rank table at `path` (see [`RankTable::load`]) and returns
@@ -607,7 +672,7 @@ impl BootstrapConfig {
         if cfg.token_file.is_none() {
             cfg.token_file = vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from);
         }
-        Ok(cfg)
+        cfg.with_env_token(&vars, table.token_file.is_some())
     }
 }
 
@@ -850,7 +915,8 @@ impl RankTable {
             return Err(table_err(count_message));
         }
 
-        let mut seen: Vec<Option<usize>> = vec![None; ws];
+        // Sized by the entries, never by `world_size` (which the file may set to anything).
+        let mut seen: HashMap<usize, usize> = HashMap::with_capacity(self.ranks.len());
         for (i, e) in self.ranks.iter().enumerate() {
             check_host(&e.host).map_err(|m| table_err(format!("ranks[{i}].host: {m}")))?;
             if e.host_id.as_ref().is_some_and(|h| h.trim().is_empty()) {
@@ -863,32 +929,42 @@ impl RankTable {
                     )));
                 }
             }
-            let Some(slot) = seen.get_mut(e.rank) else {
+            if e.rank >= ws {
                 return Err(table_err(format!(
                     "ranks[{i}].rank: rank {} is out of range for world size {ws}",
                     e.rank
                 )));
-            };
-            if let Some(j) = slot {
+            }
+            if let Some(j) = seen.insert(e.rank, i) {
                 return Err(table_err(format!(
                     "ranks[{i}].rank: duplicate rank {} (also at ranks[{j}])",
                     e.rank
                 )));
             }
-            *slot = Some(i);
         }
-        let missing: Vec<String> = seen
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.is_none())
-            .map(|(r, _)| r.to_string())
-            .collect();
-        if !missing.is_empty() {
-            let shown = missing.len().min(8);
-            let more = if missing.len() > shown { ", ..." } else { "" };
+        if self.ranks.len() < ws {
+            // Every listed rank is unique and below `ws`: exactly `ws - len` are missing. Name
+            // the first few, walking the gaps between the listed ranks.
+            let mut listed: Vec<usize> = seen.into_keys().collect();
+            listed.sort_unstable();
+            let mut missing = Vec::new();
+            let mut next = 0;
+            for r in listed.into_iter().chain(std::iter::once(ws)) {
+                while next < r && missing.len() <= 8 {
+                    missing.push(next.to_string());
+                    next += 1;
+                }
+                next = r.saturating_add(1);
+                if missing.len() > 8 {
+                    break;
+                }
+            }
+            let count = ws - self.ranks.len();
+            let shown = count.min(8);
+            let more = if count > shown { ", ..." } else { "" };
             return Err(table_err(format!(
                 "missing rank{} {}{more} ({count_message})",
-                if missing.len() == 1 { "" } else { "s" },
+                if count == 1 { "" } else { "s" },
                 missing[..shown].join(", "),
             )));
         }
@@ -950,6 +1026,7 @@ impl RankTable {
             socket_ifname: entry.ifname.clone(),
             listen_host: Some(entry.host.clone()),
             token_file: self.token_file.clone(),
+            job_token: None,
             source: LaunchSource::RankTable,
         })
     }
@@ -1016,6 +1093,7 @@ mod tests {
                 socket_ifname: Some("eth1".into()),
                 listen_host: None,
                 token_file: Some(PathBuf::from("/run/token")),
+                job_token: None,
                 source: LaunchSource::Hcomm,
             }
         );
@@ -1547,6 +1625,7 @@ mod tests {
                 socket_ifname: None,
                 listen_host: Some("10.0.0.1".into()),
                 token_file: Some(PathBuf::from("token")),
+                job_token: None,
                 source: LaunchSource::RankTable,
             }
         );
@@ -1725,6 +1804,25 @@ mod tests {
     }
 
     #[test]
+    fn rank_table_huge_world_size_allocates_nothing() {
+        // Checked against the entries, not by allocating world_size slots.
+        let huge = usize::MAX.to_string();
+        let json = edit("\"world_size\": 4", &format!("\"world_size\": {huge}"));
+        assert_eq!(
+            table_err_text(&json),
+            format!(
+                "rank table: missing ranks 4, 5, 6, 7, 8, 9, 10, 11, ... \
+                 (world_size is {huge} but 4 ranks are listed)"
+            )
+        );
+        let json = edit("{ \"rank\": 2,", &format!("{{ \"rank\": {},", u64::MAX));
+        assert_contains(
+            &table_err_text(&json),
+            &[".rank: rank 18446744073709551615 is out of range"],
+        );
+    }
+
+    #[test]
     fn rank_table_bad_ifname_and_host_id() {
         let e = table_err_text(&edit("\"ifname\": \"eth0\"", "\"ifname\": \"\""));
         assert_contains(&e, &["ranks[0].ifname"]);
@@ -1772,6 +1870,51 @@ mod tests {
         let e = RankTable::load(&missing).unwrap_err();
         assert!(matches!(e, ConfigError::Io { .. }));
         assert_contains(&e.to_string(), &["nope.json", "cannot read"]);
+    }
+
+    #[test]
+    fn job_token_from_env() {
+        let base = [("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            v
+        };
+        let c = ok(&with(&[("HCOMM_JOB_TOKEN", "  0123456789abcdef0123 ")]));
+        let want = JobToken::new(b"0123456789abcdef0123").unwrap();
+        assert_eq!(c.token().unwrap(), Some(want));
+        assert!(!format!("{c:?}").contains("0123456789abcdef"), "{c:?}");
+        let e = err(&with(&[("HCOMM_JOB_TOKEN", "short-secret")]));
+        assert_contains(&e, &["HCOMM_JOB_TOKEN", "at least 16"]);
+        assert!(!e.contains("short-secret"), "{e}");
+        let e = err(&with(&[
+            ("HCOMM_JOB_TOKEN", "0123456789abcdef0123"),
+            ("HCOMM_TOKEN_FILE", "/x"),
+        ]));
+        assert_contains(&e, &["HCOMM_JOB_TOKEN", "HCOMM_TOKEN_FILE is set too"]);
+        assert_eq!(ok(&base).token().unwrap(), None);
+        // A token file that cannot be read is an error naming it.
+        let c = ok(&with(&[("HCOMM_TOKEN_FILE", "/nonexistent/hcomm-token")]));
+        let e = c.token().unwrap_err().to_string();
+        assert_contains(&e, &["/nonexistent/hcomm-token"]);
+    }
+
+    #[test]
+    fn rank_table_token_file_wins_over_env_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hcom_config.json");
+        std::fs::write(&path, GOOD).unwrap();
+        std::fs::write(dir.path().join("token"), "table-token-0123456789\n").unwrap();
+        let get = |k: &str| (k == "HCOMM_JOB_TOKEN").then(|| "env-token-0123456789".to_string());
+        let c = BootstrapConfig::from_rank_table_with(&path, 0, get).unwrap();
+        assert_eq!(c.job_token, None);
+        let want = JobToken::new(b"table-token-0123456789").unwrap();
+        assert_eq!(c.token().unwrap(), Some(want));
+        // Without a token_file in the table, the environment's token applies.
+        std::fs::write(&path, GOOD.replace("\"token_file\": \"token\",", "")).unwrap();
+        let c = BootstrapConfig::from_rank_table_with(&path, 0, get).unwrap();
+        let want = JobToken::new(b"env-token-0123456789").unwrap();
+        assert_eq!(c.token().unwrap(), Some(want));
     }
 
     #[test]

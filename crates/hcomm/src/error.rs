@@ -104,6 +104,17 @@ pub enum Error {
         /// The OS error text.
         msg: String,
     },
+    /// Authentication failed: the rendezvous store (no `peer`) or a rank refused this
+    /// process's job token, or the other way round (see `crate::auth`). Never quotes the token.
+    #[error("{ctx}: authentication failed{}: {msg}", peer_suffix(.peer))]
+    Auth {
+        /// Where.
+        ctx: OpContext,
+        /// The rank involved, if any (none for the rendezvous store).
+        peer: Option<usize>,
+        /// What went wrong.
+        msg: String,
+    },
     /// Bad configuration (environment, rank table).
     #[error("configuration error: {0}")]
     Config(String),

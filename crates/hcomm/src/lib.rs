@@ -16,6 +16,7 @@
 
 pub mod algo;
 mod asynchronous;
+pub mod auth;
 pub mod bootstrap;
 mod collectives;
 pub mod comm;
@@ -24,6 +25,8 @@ pub mod dtype;
 mod engine;
 pub mod error;
 pub mod fusion;
+pub mod fuzzing;
+pub mod history;
 mod lent;
 pub mod reduce;
 pub mod shm;

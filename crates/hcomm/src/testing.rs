@@ -29,6 +29,7 @@ pub fn local_config(rank: usize, size: usize, port: u16, timeout: Duration) -> B
         socket_ifname: None,
         listen_host: None,
         token_file: None,
+        job_token: None,
         source: LaunchSource::Hcomm,
     }
 }

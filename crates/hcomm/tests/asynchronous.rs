@@ -352,3 +352,33 @@ fn many_operations_in_flight_on_several_communicators() {
         });
     }
 }
+
+#[test]
+fn set_algorithm_takes_effect_in_issue_order() {
+    // Found by `hcomm check --soak`: a setting changed by the caller must not apply to an
+    // asynchronous operation issued before it (the ranks would run different algorithms).
+    let go = std::sync::Barrier::new(2);
+    ranks(2, TransportKind::Tcp, T, |c| {
+        use hcomm::{Algo, Collective};
+        if c.rank() == 0 {
+            let w = c.run_async("forced", |c| {
+                let mut x = [0u8; 4];
+                c.recv(1, 2, &mut x)?; // holds the turn until rank 1 sends
+                c.algorithm_for(Collective::AllReduce, 8);
+                Ok(c.algorithm_for(Collective::AllReduce, 8))
+            });
+            go.wait();
+            c.set_algorithm(Collective::AllReduce, Algo::Ring)?;
+            assert!(
+                w.is_completed(),
+                "set_algorithm ran before the queued operation"
+            );
+            assert_ne!(w.wait()?, Algo::Ring);
+        } else {
+            go.wait();
+            std::thread::sleep(Duration::from_millis(50));
+            c.send(0, 2, &[1u8; 4])?;
+        }
+        Ok(())
+    });
+}

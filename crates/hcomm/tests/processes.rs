@@ -16,6 +16,8 @@ const LAUNCH_VARS: &[&str] = &[
     "HCOMM_MASTER_ADDR",
     "HCOMM_MASTER_PORT",
     "HCOMM_RANK_TABLE",
+    "HCOMM_JOB_TOKEN",
+    "HCOMM_TOKEN_FILE",
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -407,6 +409,127 @@ fn a_killed_rank_makes_every_survivor_fail_over_shared_memory() {
         lines
             .iter()
             .all(|l| l.contains("PeerClosed(1)") || l.contains("Timeout([1])")),
+        "{lines:?}"
+    );
+}
+
+fn stopped_rank_worker() {
+    let comm = Communicator::from_env().unwrap();
+    let mut v = vec![1f32; 50_000];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    if comm.rank() == 1 {
+        // Stop (as a debugger, a swapped-out node or `kill -STOP` would): alive but silent.
+        nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGSTOP)
+            .unwrap();
+    }
+    let start = Instant::now();
+    let err = loop {
+        if let Err(e) = comm.all_reduce_in_place(&mut v, ReduceOp::Sum) {
+            break e;
+        }
+    };
+    let later = comm.barrier().unwrap_err();
+    let kind = match err {
+        Error::Timeout { ref peers, .. } => format!("Timeout({peers:?})"),
+        Error::PeerClosed { peer, .. } => format!("PeerClosed({peer})"),
+        ref other => format!("Other({other})"),
+    };
+    println!(
+        "\nSURVIVOR {} shm={} failed after {:.1}s: {kind}: {err}; then: {}",
+        comm.rank(),
+        comm.has_shared_memory(),
+        start.elapsed().as_secs_f64(),
+        match later {
+            Error::Poisoned { .. } => "poisoned",
+            _ => "not poisoned",
+        }
+    );
+}
+
+/// Stop rank 1 of 4 with SIGSTOP between all-reduces: every survivor must time out within
+/// the deadline (3 s here; the bound allows for an oversubscribed machine), log a hang report,
+/// and fail fast afterwards. Rank 1 is killed once the survivors are done.
+fn stopped_rank(test: &str, transport: &str) -> Vec<String> {
+    let port = free_port();
+    let n = 4;
+    let mut kids = spawn(test, n, |r| {
+        vec![
+            ("HCOMM_RANK".into(), r.to_string()),
+            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ("HCOMM_TIMEOUT".into(), "3s".into()),
+            ("HCOMM_TRANSPORT".into(), transport.into()),
+            ("HCOMM_DEBUG".into(), "info".into()),
+        ]
+    });
+    let mut stopped = kids.remove(1);
+    let start = Instant::now();
+    let res = wait_all(kids, Duration::from_secs(60));
+    let took = start.elapsed();
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    let mut lines = Vec::new();
+    for (i, (code, out)) in res.iter().enumerate() {
+        let r = if i == 0 { 0 } else { i + 1 };
+        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
+            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        // A survivor that timed out exits, so over TCP its neighbours may see it leave first.
+        assert!(
+            line.contains("Timeout") || line.contains("PeerClosed"),
+            "rank {r}: {line}"
+        );
+        assert!(line.contains("then: poisoned"), "rank {r}: {line}");
+        let secs: f64 = line
+            .split("failed after ")
+            .nth(1)
+            .and_then(|x| x.split('s').next())
+            .and_then(|x| x.parse().ok())
+            .unwrap();
+        assert!(secs < 30.0, "rank {r} took {secs} s to fail (deadline 3 s)");
+        if line.contains("Timeout") {
+            assert!(
+                out.contains("hang report from rank"),
+                "rank {r}: no hang report:\n{out}"
+            );
+        }
+        lines.push(line.to_string());
+    }
+    assert!(took < Duration::from_secs(60), "survivors took {took:?}");
+    lines
+}
+
+#[test]
+fn a_stopped_rank_makes_every_survivor_time_out_over_tcp() {
+    if is_worker() {
+        return stopped_rank_worker();
+    }
+    let lines = stopped_rank(
+        "a_stopped_rank_makes_every_survivor_time_out_over_tcp",
+        "tcp",
+    );
+    // The ranks waiting on rank 1 directly name it.
+    assert!(
+        lines.iter().any(|l| l.contains("Timeout([1])")),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn a_stopped_rank_makes_every_survivor_time_out_over_shared_memory() {
+    if is_worker() {
+        return stopped_rank_worker();
+    }
+    let lines = stopped_rank(
+        "a_stopped_rank_makes_every_survivor_time_out_over_shared_memory",
+        "shm",
+    );
+    // On shared memory every survivor waits for every rank, so each names the stopped one.
+    assert!(
+        lines.iter().all(|l| l.contains("Timeout([1])")),
         "{lines:?}"
     );
 }

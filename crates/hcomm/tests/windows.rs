@@ -43,7 +43,7 @@ fn get_shared_waits_for_the_allocation_and_bounds_are_checked() {
     let res = run_threads(2, T, |c| {
         if c.rank() == 1 {
             let shm = c.get_shared(0)?; // rank 0 allocates only after a while
-            c.wait_signal(0, 1)?; // and writes after allocating
+            c.wait_signal(0, 1)?; // ...and writes after allocating
             let mut b = [0u8; 3];
             shm.read(0, &mut b)?;
             assert_eq!(&b, b"abc");

@@ -23,6 +23,37 @@
 /// Header size in bytes.
 pub const HEADER_LEN: usize = 40;
 const MAGIC: u16 = 0x4843;
+/// Largest payload length a header may announce (no receive buffer can be larger than
+/// `isize::MAX` bytes; every length is further checked against the receive it is for).
+pub const MAX_PAYLOAD: u64 = isize::MAX as u64;
+
+/// Why 40 bytes are not a valid frame header.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The first two bytes are not the frame magic.
+    #[error("bad frame magic {0:#06x} (stream out of sync or not an hcomm peer)")]
+    BadMagic(u16),
+    /// The kind byte names no frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// The reserved byte is not 0.
+    #[error("reserved header byte is {0}, not 0")]
+    Reserved(u8),
+    /// A control frame (no payload allowed) announces one.
+    #[error("{kind:?} frame with a {len}-byte payload (control frames have none)")]
+    ControlPayload {
+        /// The frame's kind.
+        kind: Kind,
+        /// The announced payload length.
+        len: u64,
+    },
+    /// The payload length is larger than any buffer.
+    #[error("frame announces a {0}-byte payload, more than any buffer can hold")]
+    TooLong(u64),
+    /// Fewer than [`HEADER_LEN`] bytes.
+    #[error("a frame header is {HEADER_LEN} bytes, got {0}")]
+    Short(usize),
+}
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +78,12 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// True for the kinds that carry a payload (collective and point-to-point data); every
+    /// other kind is a control frame whose `len` must be 0.
+    pub fn has_payload(self) -> bool {
+        matches!(self, Kind::Collective | Kind::P2p)
+    }
+
     fn from_u8(v: u8) -> Option<Kind> {
         Some(match v {
             1 => Kind::Collective,
@@ -121,18 +158,21 @@ impl Header {
         b
     }
 
-    /// Decode, rejecting a bad magic or kind.
-    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
+    /// Decode, rejecting a bad magic, an unknown kind, a non-zero reserved byte, a control
+    /// frame with a payload and a payload length no buffer could hold. Every field is read from
+    /// exactly [`HEADER_LEN`] bytes; nothing is allocated.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let magic = u16::from_le_bytes([b[0], b[1]]);
         if magic != MAGIC {
-            return Err(format!(
-                "bad frame magic {magic:#06x} (stream out of sync or not an hcomm peer)"
-            ));
+            return Err(FrameError::BadMagic(magic));
         }
-        let kind = Kind::from_u8(b[2]).ok_or_else(|| format!("unknown frame kind {}", b[2]))?;
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
-        Ok(Header {
+        let kind = Kind::from_u8(b[2]).ok_or(FrameError::UnknownKind(b[2]))?;
+        if b[7] != 0 {
+            return Err(FrameError::Reserved(b[7]));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
+        let h = Header {
             kind,
             dtype: b[3],
             coll: b[4],
@@ -143,7 +183,23 @@ impl Header {
             seq: u64_at(16),
             count: u64_at(24),
             len: u64_at(32),
-        })
+        };
+        if !kind.has_payload() && h.len != 0 {
+            return Err(FrameError::ControlPayload { kind, len: h.len });
+        }
+        if h.len > MAX_PAYLOAD {
+            return Err(FrameError::TooLong(h.len));
+        }
+        Ok(h)
+    }
+
+    /// Decode from the start of `bytes` (at least [`HEADER_LEN`] of them).
+    pub fn decode_prefix(bytes: &[u8]) -> Result<Header, FrameError> {
+        let raw: &[u8; HEADER_LEN] = bytes
+            .get(..HEADER_LEN)
+            .and_then(|b| b.try_into().ok())
+            .ok_or(FrameError::Short(bytes.len()))?;
+        Header::decode(raw)
     }
 
     /// True if `self` and `other` carry the same collective fingerprint.
@@ -167,14 +223,35 @@ mod tests {
     proptest! {
         #[test]
         fn roundtrip(kind in 1u8..=8, dtype: u8, coll: u8, redop: u8, algo: u8, root: u32, tag: u32, seq: u64, count: u64, len: u64) {
-            let h = Header { kind: Kind::from_u8(kind).unwrap(), dtype, coll, redop, algo, root, tag, seq, count, len };
+            let kind = Kind::from_u8(kind).unwrap();
+            let len = if kind.has_payload() { len % (MAX_PAYLOAD + 1) } else { 0 };
+            let h = Header { kind, dtype, coll, redop, algo, root, tag, seq, count, len };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
 
         #[test]
-        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
-            let arr: [u8; HEADER_LEN] = bytes.try_into().unwrap();
-            let _ = Header::decode(&arr);
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..2 * HEADER_LEN)) {
+            match Header::decode_prefix(&bytes) {
+                Ok(h) => {
+                    prop_assert!(bytes.len() >= HEADER_LEN);
+                    prop_assert!(h.kind.has_payload() || h.len == 0);
+                    prop_assert!(h.len <= MAX_PAYLOAD);
+                    // A header that decodes is re-encoded to the same bytes.
+                    prop_assert_eq!(&h.encode()[..], &bytes[..HEADER_LEN]);
+                }
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+        }
+
+        #[test]
+        fn mutated_valid_headers(kind in 1u8..=8, len in 0u64..1 << 20, pos in 0usize..HEADER_LEN, val: u8) {
+            let k = Kind::from_u8(kind).unwrap();
+            let h = Header { len: if k.has_payload() { len } else { 0 }, ..Header::new(k, 7, 0) };
+            let mut b = h.encode();
+            b[pos] = val;
+            if let Ok(d) = Header::decode(&b) {
+                prop_assert_eq!(d.encode(), b);
+            }
         }
     }
 }

@@ -7,9 +7,14 @@
 //!   time either rank needs it. The lower rank connects. A higher rank that needs the link
 //!   first connects and asks; the lower rank adopts that socket and answers with one ack byte,
 //!   or drops it when it has connected itself (then the higher rank accepts that one). A ring
-//!   therefore opens 2 sockets per rank, not `n - 1`. Accepted sockets must greet (rank and
-//!   communicator) within [`GREETING_DEADLINE`]; strangers are dropped without stalling the
-//!   loop.
+//!   therefore opens 2 sockets per rank, not `n - 1`.
+//! * Every connection starts with the handshake of [`crate::auth`]: the dialer names its rank
+//!   and communicator and, with a job token, both sides prove they know it. A thread per
+//!   communicator accepts connections and authenticates each on a short-lived thread of its own
+//!   (at most [`crate::auth::MAX_PENDING`] at once, each within
+//!   [`PRE_AUTH_DEADLINE`](crate::auth::PRE_AUTH_DEADLINE)), so strangers, garbage and silent
+//!   connections are dropped without ever reaching, or stalling, the progress loop; only
+//!   authenticated sockets are handed to it.
 //! * Every frame starts with a [`Header`]; collectives carry their fingerprint in it.
 //! * Point-to-point: messages up to [`EAGER_MAX`] bytes are sent at once and stashed by the
 //!   receiver until its receive is posted; larger ones send an RTS, wait for the receiver's
@@ -21,6 +26,10 @@
 //! * Memory per link: a 64 KiB input buffer, stashed eager messages up to
 //!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer.
 
+use crate::auth::{
+    self, ConnectionStats, Counters, HandshakeError, JobToken, Local, PendingSlot, Role,
+    PRE_AUTH_DEADLINE,
+};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::reduce::{reduce_into, Order};
@@ -29,19 +38,18 @@ use crate::transport::wait::{Spinner, WaitPolicy};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read};
-use std::net::SocketAddr;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-const HELLO_MAGIC: u32 = 0x4843_4f48; // "HCOH"
 /// The byte a lower rank sends on a socket a higher rank opened, adopting it as their link.
 const ADOPT_ACK: u8 = 0xA5;
 /// A higher rank whose ask was dropped asks again after this long without a link.
 const ASK_AGAIN: Duration = Duration::from_secs(1);
-const HELLO_LEN: usize = 16;
 const IBUF: usize = 64 << 10;
 /// Staging size for reducing receives.
 pub const STAGING: usize = 256 << 10;
@@ -54,8 +62,6 @@ pub const EAGER_MAX: usize = 64 << 10;
 pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
 /// Accounting cost of one stashed frame besides its payload.
 pub const STASH_ENTRY_COST: usize = 64;
-/// An accepted connection that has not greeted within this time is dropped.
-pub const GREETING_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Where received payload goes.
 pub enum Sink<'a> {
@@ -452,27 +458,188 @@ impl Inbound {
     }
 }
 
-/// An accepted connection that has not greeted yet.
-struct Greeting {
-    sock: Socket,
-    buf: [u8; HELLO_LEN],
-    got: usize,
-    since: Instant,
+/// Who this side of a communicator's links is, for the handshakes.
+#[derive(Clone)]
+struct Identity {
+    rank: usize,
+    size: usize,
+    comm_hash: u64,
+    token: Option<JobToken>,
+}
+
+impl Identity {
+    fn local(&self, role: Role) -> Local {
+        Local {
+            role,
+            rank: self.rank as u32,
+            comm_hash: self.comm_hash,
+        }
+    }
+}
+
+/// The accepting side of a communicator's links: a thread that accepts connections and
+/// authenticates each on a thread of its own, handing the good ones (with the rank they proved
+/// to be) to the progress loop through a channel, and waking it through a socket pair.
+struct Acceptor {
+    addr: SocketAddr,
+    accepted: mpsc::Receiver<(usize, Socket)>,
+    /// Readable when `accepted` has something.
+    wake: UnixStream,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+}
+
+impl Acceptor {
+    fn start(listener: Socket, me: Identity) -> io::Result<Acceptor> {
+        let addr = listener
+            .local_addr()?
+            .as_socket()
+            .ok_or_else(|| io::Error::other("listener has no IP address"))?;
+        let (wake, waker) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        waker.set_nonblocking(true)?;
+        let (tx, accepted) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        let (st, c) = (stop.clone(), counters.clone());
+        std::thread::Builder::new()
+            .name("hcomm-accept".into())
+            .spawn(move || accept_loop(listener, me, tx, Arc::new(waker), st, c))?;
+        Ok(Acceptor {
+            addr,
+            accepted,
+            wake,
+            stop,
+            counters,
+        })
+    }
+
+    /// Empty the wake-up socket (the channel is drained by the caller).
+    fn drain_wake(&self) {
+        let mut b = [0u8; 64];
+        while matches!((&self.wake).read(&mut b), Ok(n) if n > 0) {}
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        // The accept thread sees this within 100 ms and closes the listener.
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn accept_loop(
+    listener: Socket,
+    me: Identity,
+    tx: mpsc::Sender<(usize, Socket)>,
+    waker: Arc<UnixStream>,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+) {
+    let pending = Arc::new(AtomicUsize::new(0));
+    while !stop.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(100u16)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => {
+                tracing::warn!("link listener: poll: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        loop {
+            let (sock, from) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
+                Err(e) => {
+                    // Out of descriptors or similar: do not spin on it.
+                    tracing::warn!("link listener: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                    break;
+                }
+            };
+            let from = from.as_socket();
+            let Some(slot) = PendingSlot::take(&pending) else {
+                counters.overloaded();
+                tracing::warn!(
+                    ?from,
+                    "too many unauthenticated data connections; dropping one"
+                );
+                continue;
+            };
+            let (me, tx, waker, counters) =
+                (me.clone(), tx.clone(), waker.clone(), counters.clone());
+            let spawned = std::thread::Builder::new()
+                .name("hcomm-link-auth".into())
+                .spawn(move || {
+                    let r = authenticate(sock, &me);
+                    drop(slot);
+                    counters.record(&r);
+                    match r {
+                        Ok((peer, sock)) => {
+                            if tx.send((peer, sock)).is_ok() {
+                                let _ = (&*waker).write(&[1]);
+                            }
+                        }
+                        Err(e) => tracing::warn!(?from, "rejected a data connection: {e}"),
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("cannot start a thread to authenticate a data connection: {e}");
+            }
+        }
+    }
+}
+
+/// The accepting side's handshake on a new connection: the peer must be another rank of this
+/// communicator (and prove the token, if there is one). Returns its rank and the socket, ready
+/// for the progress loop.
+fn authenticate(sock: Socket, me: &Identity) -> Result<(usize, Socket), HandshakeError> {
+    let io = |e: io::Error| HandshakeError::Io(e.to_string());
+    sock.set_nonblocking(false).map_err(io)?;
+    let _ = sock.set_nodelay(true);
+    let mut stream = TcpStream::from(sock);
+    let deadline = Instant::now() + PRE_AUTH_DEADLINE;
+    let check = |h: &auth::Hello| {
+        if h.comm_hash != me.comm_hash {
+            return Err(HandshakeError::WrongPeer(format!(
+                "a rank of communicator {:#x}, not of this one ({:#x})",
+                h.comm_hash, me.comm_hash
+            )));
+        }
+        if h.rank as usize >= me.size || h.rank as usize == me.rank {
+            return Err(HandshakeError::WrongPeer(format!(
+                "claims rank {} of this {}-rank communicator, as rank {}",
+                h.rank, me.size, me.rank
+            )));
+        }
+        Ok(())
+    };
+    let hello = auth::accept(
+        &mut stream,
+        me.token.as_ref(),
+        me.local(Role::LinkAcceptor),
+        check,
+        deadline,
+    )?;
+    stream.set_read_timeout(None).map_err(io)?;
+    stream.set_write_timeout(None).map_err(io)?;
+    stream.set_nonblocking(true).map_err(io)?;
+    Ok((hello.rank as usize, Socket::from(stream)))
 }
 
 /// The TCP links of one communicator.
 pub struct TcpLinks {
     rank: usize,
     peers: Vec<SocketAddr>,
-    comm_hash: u64,
-    listener: Socket,
+    me: Identity,
+    acceptor: Acceptor,
     /// The link with each peer (one socket, both directions).
     inb: Vec<Option<Inbound>>,
     /// Sockets this (higher) rank opened to a lower rank, waiting for its adoption ack.
     asking: Vec<Option<Socket>>,
     /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
     asked_at: Vec<Option<Instant>>,
-    greeting: Vec<Greeting>,
     policy: WaitPolicy,
     /// Reused staging buffers for reducing receives.
     staging_pool: Vec<Vec<u64>>,
@@ -482,7 +649,7 @@ pub struct TcpLinks {
     next_id: u64,
     /// The deadline's length of the current operation (for error messages).
     op_timeout: Duration,
-    /// poll(2) saw a connection waiting on the listener.
+    /// poll(2) saw the acceptor hand over a connection.
     listener_ready: bool,
 }
 
@@ -511,31 +678,39 @@ impl TcpLinks {
         Ok(s)
     }
 
-    /// Links for `rank` given every rank's listening address (index = rank).
+    /// Links for `rank` given every rank's listening address (index = rank), accepting
+    /// connections on `listener` from this communicator's ranks only (named by `comm_hash`)
+    /// and, with a `token`, only from those who prove they know it.
     pub fn new(
         rank: usize,
         listener: Socket,
         peers: Vec<SocketAddr>,
         comm_hash: u64,
+        token: Option<JobToken>,
         policy: WaitPolicy,
-    ) -> TcpLinks {
+    ) -> io::Result<TcpLinks> {
         let n = peers.len();
-        TcpLinks {
+        let me = Identity {
+            rank,
+            size: n,
+            comm_hash,
+            token,
+        };
+        Ok(TcpLinks {
             rank,
             peers,
-            comm_hash,
-            listener,
+            acceptor: Acceptor::start(listener, me.clone())?,
+            me,
             inb: (0..n).map(|_| None).collect(),
             asking: (0..n).map(|_| None).collect(),
             asked_at: vec![None; n],
-            greeting: Vec::new(),
             policy,
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
             next_id: 1,
             op_timeout: Duration::ZERO,
             listener_ready: false,
-        }
+        })
     }
 
     /// Share the communicator's abort flag.
@@ -550,12 +725,22 @@ impl TcpLinks {
 
     /// The IP address the listener is bound to.
     pub fn listen_ip(&self) -> std::net::IpAddr {
-        self.listener
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_socket())
-            .map(|a| a.ip())
-            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+        self.acceptor.addr.ip()
+    }
+
+    /// The address the listener is bound to.
+    pub fn listen_addr(&self) -> SocketAddr {
+        self.acceptor.addr
+    }
+
+    /// What became of the connections accepted so far (authenticated, or turned away and why).
+    pub fn connection_stats(&self) -> ConnectionStats {
+        self.acceptor.counters.snapshot()
+    }
+
+    /// The live counters behind [`connection_stats`](Self::connection_stats).
+    pub(crate) fn counters(&self) -> Arc<Counters> {
+        self.acceptor.counters.clone()
     }
 
     /// The number of sockets currently open (both directions), for memory/fd accounting.
@@ -570,8 +755,7 @@ impl TcpLinks {
         }
         if self.rank > peer {
             // The lower rank may have connected already (and even left since): take that first.
-            self.accept_pending(ctx)?;
-            self.pump_greetings();
+            self.accept_pending();
             if self.inb[peer].is_some() {
                 return Ok(true);
             }
@@ -588,8 +772,46 @@ impl TcpLinks {
         Ok(true)
     }
 
-    /// Connect to `peer`'s listener and greet.
+    /// Connect to `peer`'s listener and run the handshake (retried while the connection is
+    /// merely lost, as when the peer's listener is overloaded, until `deadline`).
     fn dial(&self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<Socket> {
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            match self.dial_once(ctx, peer, deadline) {
+                Err(DialError::Handshake(e)) if e.is_transient() && Instant::now() < deadline => {
+                    tracing::debug!(peer, "handshake failed ({e}); trying again");
+                    std::thread::sleep(
+                        backoff.min(deadline.saturating_duration_since(Instant::now())),
+                    );
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+                Err(DialError::Handshake(e)) if e.is_transient() => {
+                    return Err(Error::Timeout {
+                        ctx: ctx.clone(),
+                        peers: vec![peer],
+                        after: self.op_timeout,
+                        detail: format!("connecting to {}: {e}", self.peers[peer]),
+                    })
+                }
+                Err(DialError::Handshake(e)) => {
+                    return Err(Error::Auth {
+                        ctx: ctx.clone(),
+                        peer: Some(peer),
+                        msg: format!("data link to {}: {e}", self.peers[peer]),
+                    })
+                }
+                Err(DialError::Other(e)) => return Err(e),
+                Ok(s) => return Ok(s),
+            }
+        }
+    }
+
+    fn dial_once(
+        &self,
+        ctx: &OpContext,
+        peer: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Socket, DialError> {
         let addr = self.peers[peer];
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -613,15 +835,24 @@ impl TcpLinks {
             })?;
         s.set_nodelay(true)
             .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        let mut hello = [0u8; HELLO_LEN];
-        hello[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-        hello[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
-        hello[8..16].copy_from_slice(&self.comm_hash.to_le_bytes());
-        let mut w = &s;
-        std::io::Write::write_all(&mut w, &hello).map_err(|e| peer_io_error(ctx, peer, e))?;
-        s.set_nonblocking(true)
-            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        Ok(s)
+        let mut stream = TcpStream::from(s);
+        // The peer's acceptor answers at once (it is a thread of its own), or drops us.
+        let hs_deadline = Instant::now() + left.min(2 * PRE_AUTH_DEADLINE);
+        auth::connect(
+            &mut stream,
+            self.me.token.as_ref(),
+            self.me.local(Role::LinkDialer),
+            peer as u32,
+            hs_deadline,
+        )
+        .map_err(DialError::Handshake)?;
+        let setup = |stream: &TcpStream| -> io::Result<()> {
+            stream.set_read_timeout(None)?;
+            stream.set_write_timeout(None)?;
+            stream.set_nonblocking(true)
+        };
+        setup(&stream).map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        Ok(Socket::from(stream))
     }
 
     /// Higher rank: read the lower ranks' answers to our asks.
@@ -651,82 +882,27 @@ impl TcpLinks {
         progress
     }
 
-    /// Accept every pending connection; each must greet before it becomes a link.
-    fn accept_pending(&mut self, ctx: &OpContext) -> Result<bool> {
-        let mut any = false;
-        loop {
-            match self.listener.accept() {
-                Ok((s, _)) => {
-                    if s.set_nonblocking(true).is_ok() {
-                        self.greeting.push(Greeting {
-                            sock: s,
-                            buf: [0; HELLO_LEN],
-                            got: 0,
-                            since: Instant::now(),
-                        });
-                        any = true;
-                    }
-                }
-                Err(e) if would_block(&e) => return Ok(any),
-                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
-                Err(e) => return Err(Error::io(ctx.clone(), None, format!("accept: {e}"))),
-            }
-        }
-    }
-
-    /// Read greetings; register the good ones, drop strangers and the slow.
-    fn pump_greetings(&mut self) -> bool {
+    /// Take the connections the acceptor has authenticated: a lower rank's is our link with
+    /// it; a higher rank's is an ask, adopted (with an ack byte) unless we have a link already.
+    fn accept_pending(&mut self) -> bool {
+        self.acceptor.drain_wake();
         let mut progress = false;
-        let mut i = 0;
-        while i < self.greeting.len() {
-            let g = &mut self.greeting[i];
-            let mut drop_it = g.since.elapsed() > GREETING_DEADLINE;
-            if !drop_it {
-                match (&g.sock).read(&mut g.buf[g.got..]) {
-                    Ok(0) => drop_it = true,
-                    Ok(n) => {
-                        g.got += n;
-                        progress = true;
-                    }
-                    Err(e) if would_block(&e) => {}
-                    Err(_) => drop_it = true,
-                }
-            }
-            if !drop_it && g.got < HELLO_LEN {
-                i += 1;
-                continue;
-            }
-            let g = self.greeting.swap_remove(i);
-            if drop_it {
-                continue;
-            }
-            let magic = u32::from_le_bytes(g.buf[0..4].try_into().unwrap());
-            let peer = u32::from_le_bytes(g.buf[4..8].try_into().unwrap()) as usize;
-            let hash = u64::from_le_bytes(g.buf[8..16].try_into().unwrap());
-            if magic != HELLO_MAGIC
-                || hash != self.comm_hash
-                || peer >= self.peers.len()
-                || peer == self.rank
-            {
-                tracing::warn!("dropping a data connection with a bad greeting");
-                continue;
-            }
-            let _ = g.sock.set_nodelay(true);
+        while let Ok((peer, sock)) = self.acceptor.accepted.try_recv() {
+            progress = true;
             if peer < self.rank {
                 // The lower rank connected: this is our link; any ask of ours is moot.
                 self.asking[peer] = None;
                 if self.inb[peer].is_none() {
-                    self.inb[peer] = Some(Inbound::new(g.sock));
+                    self.inb[peer] = Some(Inbound::new(sock));
                 }
             } else if self.inb[peer].is_none() {
                 // A higher rank asks: adopt its socket.
-                let mut w = &g.sock;
-                if std::io::Write::write_all(&mut w, &[ADOPT_ACK]).is_ok() {
-                    self.inb[peer] = Some(Inbound::new(g.sock));
+                let mut w = &sock;
+                if w.write_all(&[ADOPT_ACK]).is_ok() {
+                    self.inb[peer] = Some(Inbound::new(sock));
                 }
             }
             // Else we already connected to that higher rank: dropping this socket tells it so.
-            progress = true;
         }
         progress
     }
@@ -856,10 +1032,7 @@ impl TcpLinks {
             }
             if missing || woke && self.listener_ready {
                 self.listener_ready = false;
-                progress |= self.accept_pending(ctx)?;
-            }
-            if !self.greeting.is_empty() {
-                progress |= self.pump_greetings();
+                progress |= self.accept_pending();
             }
             if !progress {
                 // Idle: drain what other links hold for later operations.
@@ -933,8 +1106,7 @@ impl TcpLinks {
         recvs: &[RecvOp],
         deadline: Instant,
     ) -> Result<()> {
-        let mut fds: Vec<PollFd> =
-            Vec::with_capacity(sends.len() + self.inb.len() + self.greeting.len() + 1);
+        let mut fds: Vec<PollFd> = Vec::with_capacity(sends.len() + self.inb.len() + 1);
         for (peer, inb) in self.inb.iter().enumerate() {
             if let Some(inb) = inb {
                 let wanted = recvs.iter().any(|r| r.peer == peer && !r.done());
@@ -953,10 +1125,7 @@ impl TcpLinks {
         for sock in self.asking.iter().flatten() {
             fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLIN));
         }
-        for g in &self.greeting {
-            fds.push(PollFd::new(g.sock.as_fd(), PollFlags::POLLIN));
-        }
-        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        fds.push(PollFd::new(self.acceptor.wake.as_fd(), PollFlags::POLLIN));
         // Wake at least every 100 ms so that deadlines and aborts are honoured promptly.
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -1111,23 +1280,18 @@ impl TcpLinks {
                 }
                 continue;
             }
-            let raw: [u8; HEADER_LEN] = inb.ibuf[inb.ipos..inb.ipos + HEADER_LEN]
-                .try_into()
-                .unwrap();
-            let hdr = Header::decode(&raw).map_err(|msg| Error::Protocol {
+            let protocol = |msg: String| Error::Protocol {
                 ctx: ctx.clone(),
                 peer,
                 msg,
-            })?;
-            let len = hdr.len as usize;
-            let is_control = !matches!(hdr.kind, Kind::Collective | Kind::P2p);
-            if is_control && len != 0 {
-                return Err(Error::Protocol {
-                    ctx: ctx.clone(),
-                    peer,
-                    msg: format!("{:?} frame with a {len}-byte payload", hdr.kind),
-                });
-            }
+            };
+            // Control frames carry no payload and no length exceeds MAX_PAYLOAD (checked by
+            // decode); every length is then checked against the receive it is for.
+            let hdr = Header::decode_prefix(&inb.ibuf[inb.ipos..inb.iend])
+                .map_err(|e| protocol(e.to_string()))?;
+            let len = usize::try_from(hdr.len)
+                .map_err(|_| protocol(format!("{}-byte payload", hdr.len)))?;
+            let is_control = !hdr.kind.has_payload();
             if mode == Mode::Opportunistic {
                 let stashable = if is_control {
                     inb.room_for(0)
@@ -1153,13 +1317,41 @@ impl TcpLinks {
                     inb.cur = Some((Target::Recv(recvs[idx].id), len));
                 }
                 Kind::P2p => {
+                    // The sender puts the message size in both `count` and `len`.
+                    if hdr.count != hdr.len {
+                        return Err(protocol(format!(
+                            "point-to-point frame with tag {} carries {len} bytes but announces {}",
+                            hdr.tag, hdr.count
+                        )));
+                    }
                     if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
-                        recvs[idx].pending = Some(hdr);
-                        let id = recvs[idx].id;
-                        let t = if len == recvs[idx].sink.len() {
-                            Target::Recv(id)
+                        let r = &mut recvs[idx];
+                        let fits = len == r.sink.len();
+                        match r.expect {
+                            // The size was agreed (RTS / Ready): anything else is not our peer's
+                            // program.
+                            Expect::P2pData(_) if !fits => {
+                                return Err(protocol(format!(
+                                    "{len}-byte data with tag {} after agreeing on {} bytes",
+                                    hdr.tag,
+                                    r.sink.len()
+                                )));
+                            }
+                            // Eager data is never larger than EAGER_MAX (larger messages send
+                            // an RTS first); a smaller mismatch is discarded and reported.
+                            Expect::P2pFirst(_) if len > EAGER_MAX => {
+                                return Err(protocol(format!(
+                                    "{len}-byte message with tag {} sent without a handshake",
+                                    hdr.tag
+                                )));
+                            }
+                            _ => {}
+                        }
+                        r.pending = Some(hdr);
+                        let t = if fits {
+                            Target::Recv(r.id)
                         } else {
-                            Target::Discard(id)
+                            Target::Discard(r.id)
                         };
                         inb.cur = Some((t, len));
                     } else if len <= EAGER_MAX && inb.room_for(len) {
@@ -1304,6 +1496,20 @@ fn peer_io_error(ctx: &OpContext, peer: usize, e: io::Error) -> Error {
             detail: e.to_string(),
         },
         _ => Error::io(ctx.clone(), Some(peer), e),
+    }
+}
+
+/// Why one attempt to open a link failed.
+enum DialError {
+    /// The handshake failed.
+    Handshake(HandshakeError),
+    /// Connecting failed.
+    Other(Error),
+}
+
+impl From<Error> for DialError {
+    fn from(e: Error) -> Self {
+        DialError::Other(e)
     }
 }
 

@@ -1,0 +1,8 @@
+//! Fuzz target: `hcomm::fuzzing::rank_table` (see that function for what it checks).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    hcomm::fuzzing::rank_table(data);
+});
