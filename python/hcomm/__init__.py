@@ -100,6 +100,7 @@ from ._core import (
 )
 from .errors import (
     AbortedError,
+    AuthenticationError,
     ConfigError,
     HcommError,
     HcommTimeoutError,
@@ -205,5 +206,6 @@ __all__ = [
     "MismatchError",
     "PoisonedError",
     "ConfigError",
+    "AuthenticationError",
     "LaunchError",
 ]

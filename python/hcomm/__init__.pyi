@@ -87,6 +87,7 @@ from ._core import (
 )
 from .errors import (
     AbortedError as AbortedError,
+    AuthenticationError as AuthenticationError,
     ConfigError as ConfigError,
     HcommError as HcommError,
     HcommTimeoutError as HcommTimeoutError,
@@ -189,5 +190,6 @@ __all__ = [
     "MismatchError",
     "PoisonedError",
     "ConfigError",
+    "AuthenticationError",
     "LaunchError",
 ]

@@ -12,6 +12,8 @@ Every failure of the library is an :class:`HcommError`; the subclasses say what 
 ``MismatchError``          ranks called different collectives, or disagree on a message size
 ``PoisonedError``          the communicator failed earlier and must be rebuilt
 ``ConfigError``            the environment or rank table does not describe a job
+``AuthenticationError``    a peer or the rendezvous refused this process's job token, or the
+                           other way round (also a :class:`PermissionError`)
 ``LaunchError``            ``hcomm run`` could not start the ranks
 =========================  ==================================================================
 
@@ -35,6 +37,7 @@ __all__ = [
     "MismatchError",
     "PoisonedError",
     "ConfigError",
+    "AuthenticationError",
     "LaunchError",
 ]
 
@@ -75,6 +78,11 @@ class PoisonedError(HcommError):
 
 class ConfigError(HcommError):
     """The environment or rank table does not describe a job."""
+
+
+class AuthenticationError(HcommError, PermissionError):
+    """A connection failed the job-token check (``HCOMM_JOB_TOKEN`` / ``HCOMM_TOKEN_FILE``
+    differ between ranks, or one has none)."""
 
 
 class LaunchError(HcommError):

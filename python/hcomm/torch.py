@@ -13,7 +13,9 @@ reduce_scatter (and ``reduce_scatter_tensor``), alltoall (and ``all_to_all_singl
 scatter, barrier, send and recv on CPU tensors, with the reduce ops SUM, PRODUCT, MIN, MAX and
 AVG. Each process group bootstraps an hcomm communicator through the store torch hands it:
 rank 0 of the group starts hcomm's rendezvous on a free port of its own and publishes the
-address there, so the backend never competes with torch's store for ``MASTER_PORT``.
+address there, so the backend never competes with torch's store for ``MASTER_PORT``. The job token
+(``HCOMM_JOB_TOKEN`` / ``HCOMM_TOKEN_FILE``, set by ``hcomm run``) authenticates hcomm's
+connections; without one (torchrun) rank 0 makes one and hands it over through the store.
 ``HCOMM_TIMEOUT`` (if set) or the group's timeout becomes hcomm's deadline.
 
 With ``async_op=True`` (and for DDP's gradient buckets) allreduce, broadcast,
@@ -28,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import secrets
 import socket
 import threading
 from typing import Any, Callable, List, Optional
@@ -234,11 +237,16 @@ def _free_port(addr: str) -> int:
 
 
 def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Communicator:
+    # Without a job token from the launcher (torchrun sets none), rank 0 makes one and hands it
+    # over with the address: hcomm's connections are then authenticated as far as torch's
+    # store can be trusted with the secret.
+    own_token = bool(os.environ.get("HCOMM_JOB_TOKEN") or os.environ.get("HCOMM_TOKEN_FILE"))
     if rank == 0:
         addr = _advertised_address()
-        store.set(_STORE_KEY, f"{addr} {_free_port(addr)}")
+        token = "-" if own_token else secrets.token_hex(32)
+        store.set(_STORE_KEY, f"{addr} {_free_port(addr)} {token}")
     value = store.get(_STORE_KEY)  # waits for rank 0 (up to the store's timeout)
-    addr, port = value.decode().rsplit(" ", 1)
+    addr, port, token = value.decode().rsplit(" ", 2)
     variables = {
         "HCOMM_RANK": str(rank),
         "HCOMM_WORLD_SIZE": str(size),
@@ -248,6 +256,8 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta) ->
         "HCOMM_LOCAL_RANK": None,
         "HCOMM_LOCAL_WORLD_SIZE": None,
     }
+    if token != "-" and not own_token:
+        variables["HCOMM_JOB_TOKEN"] = token
     if not os.environ.get("HCOMM_TIMEOUT"):
         variables["HCOMM_TIMEOUT"] = f"{max(timeout.total_seconds(), 0.001):.3f}"
     return Communicator.from_vars(variables, name=f"torch/{rank}")

@@ -49,11 +49,13 @@ def test_exception_hierarchy():
         hcomm.MismatchError,
         hcomm.PoisonedError,
         hcomm.ConfigError,
+        hcomm.AuthenticationError,
         hcomm.LaunchError,
     ):
         assert issubclass(cls, hcomm.HcommError)
     assert issubclass(hcomm.InvalidArgumentError, ValueError)
     assert issubclass(hcomm.HcommTimeoutError, TimeoutError)
+    assert issubclass(hcomm.AuthenticationError, PermissionError)
 
 
 def test_calls_before_init_raise():

@@ -30,12 +30,12 @@ def test_every_call_on_torch_tensors(n):
     assert "ok all_reduce: every dtype" in out
 
 
-@pytest.mark.parametrize("case", ["timeout", "peer", "abort", "mismatch", "invalid"])
+@pytest.mark.parametrize("case", ["timeout", "peer", "abort", "mismatch", "invalid", "auth"])
 def test_failures_raise_the_documented_exceptions(case):
-    expected = {"timeout": 2, "peer": 1, "abort": 2, "mismatch": 2, "invalid": 2}[case]
+    expected = {"timeout": 2, "peer": 1, "abort": 2, "mismatch": 2, "invalid": 2, "auth": 2}[case]
     out = run_job(2, [WORKERS / "failures.py", case], expect_ok=False, timeout=60)
     assert out.count("WORKER OK") == expected, out
-    assert {"timeout": "HcommTimeoutError", "peer": "PeerError", "abort": "AbortedError", "mismatch": "MismatchError", "invalid": "InvalidArgumentError"}[case] in out
+    assert {"timeout": "HcommTimeoutError", "peer": "PeerError", "abort": "AbortedError", "mismatch": "MismatchError", "invalid": "InvalidArgumentError", "auth": "AuthenticationError"}[case] in out
 
 
 @pytest.mark.parametrize("kind", ["numpy", pytest.param("torch", marks=needs_torch)])

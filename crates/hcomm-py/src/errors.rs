@@ -45,7 +45,8 @@ pub fn panic_message(p: &Box<dyn Any + Send>) -> String {
 
 /// An hcomm error as the matching exception: `InvalidArgumentError` (also a `ValueError`),
 /// `HcommTimeoutError` (also a `TimeoutError`), `PeerError` (peer closed, remote failure,
-/// protocol error), `AbortedError`, `MismatchError`, `PoisonedError`, `ConfigError`, or
+/// protocol error), `AbortedError`, `MismatchError`, `PoisonedError`, `ConfigError`,
+/// `AuthenticationError` (also a `PermissionError`), or
 /// `HcommError` itself. Attributes: `op`, `seq`, `peers`, `fatal`.
 pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let (name, ctx, peers): (&str, Option<&hcomm::OpContext>, Vec<usize>) = match &e {
@@ -61,6 +62,11 @@ pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::Poisoned { ctx, .. } => ("PoisonedError", Some(ctx), vec![]),
         Error::Aborted { ctx } => ("AbortedError", Some(ctx), vec![]),
         Error::Io { ctx, peer, .. } => ("HcommError", Some(ctx), peer.iter().copied().collect()),
+        Error::Auth { ctx, peer, .. } => (
+            "AuthenticationError",
+            Some(ctx),
+            peer.iter().copied().collect(),
+        ),
         Error::Config(_) => ("ConfigError", None, vec![]),
         // The library may grow variants: they are HcommErrors until mapped here.
         #[allow(unreachable_patterns)]

@@ -2,7 +2,7 @@
 
     python -m hcomm run -n 2 python failures.py CASE
 
-CASE is timeout, peer, abort, mismatch or invalid. Rank 0 checks the exception (rank 1 plays
+CASE is timeout, peer, abort, mismatch, invalid or auth. Rank 0 checks the exception (rank 1 plays
 the misbehaving peer); prints WORKER OK when the expected exception was seen.
 """
 
@@ -21,6 +21,21 @@ if CASE == "peer":
     # peer by its pid, which a launcher that has not reaped the exited rank still holds as a
     # zombie, so the survivor would only time out.)
     os.environ["HCOMM_TRANSPORT"] = "tcp"
+if CASE == "auth":
+    # Rank 1 joins with another job token than the one hcomm run handed every rank.
+    os.environ["HCOMM_TIMEOUT"] = "3"
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        os.environ["HCOMM_JOB_TOKEN"] = "not-the-job-token-" + "x" * 20
+    try:
+        hcomm.InitHcom()
+        raise AssertionError("joining with a wrong token (or with a peer that has one) must fail")
+    except hcomm.HcommError as e:
+        print(f"caught {type(e).__name__}: {e}", flush=True)
+        if rank == 1:
+            assert isinstance(e, hcomm.AuthenticationError) and isinstance(e, PermissionError), type(e)
+    print("WORKER OK", flush=True)
+    sys.exit(0)
 comm = hcomm.InitHcom()
 R = comm.rank
 assert comm.world_size == 2
