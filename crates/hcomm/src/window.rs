@@ -10,8 +10,10 @@
 //! Segments are anonymous memory files (memfd): they have no name in `/dev/shm`, so none can
 //! outlive the job; a peer opens the owner's `/proc/<pid>/fd/<fd>` while the owner holds it.
 //! The owner's [`SharedMemory`] frees its segment on drop (peers keep their mappings valid).
-//! Every segment starts with a 64-byte header (magic, a random id, the size) that `get_shared`
-//! checks, so a stale record can never map the wrong memory.
+//! The data start at offset 0 of the file (so `torch.from_file(path, shared=True, size=n)` or
+//! `numpy.memmap(path)` map them as they are); a 64-byte trailer after them (at the data length
+//! rounded up to 64: magic, a random id, the size) is what `get_shared` checks, so a stale
+//! record can never map the wrong memory.
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -20,7 +22,19 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const WIN_MAGIC: u64 = 0x6863_6f6d_6d77_696e; // "hcommwin"
-const WIN_HEADER: usize = 64;
+/// Size of the trailer that follows the data.
+const WIN_TRAILER: usize = 64;
+
+/// Offset of the trailer in a segment with `len` data bytes (64-byte aligned, so its words are
+/// aligned for atomics).
+fn trailer_at(len: usize) -> usize {
+    len.div_ceil(WIN_TRAILER) * WIN_TRAILER
+}
+
+/// Bytes of a segment with `len` data bytes.
+fn segment_len(len: usize) -> usize {
+    trailer_at(len) + WIN_TRAILER
+}
 
 /// A shared segment: this rank's own ([`Communicator::alloc_shared`]) or a peer's
 /// ([`Communicator::get_shared`]).
@@ -65,21 +79,20 @@ impl SharedMemory {
         self.owner
     }
 
-    /// A path that maps the same memory (`/proc/<pid>/fd/<fd>` of the owner; the data start
-    /// 64 bytes in). Valid while the owner holds the segment.
+    /// A path that maps the same memory (`/proc/<pid>/fd/<fd>` of the owner; the data start at
+    /// offset 0, followed by hcomm's 64-byte trailer). Valid while the owner holds the segment.
     pub fn path(&self) -> &str {
         self.seg.name()
     }
 
-    /// Byte offset of the data in the file at [`path`](Self::path).
+    /// Byte offset of the data in the file at [`path`](Self::path) (0).
     pub fn data_offset(&self) -> usize {
-        WIN_HEADER
+        0
     }
 
     /// Address of the first data byte (for zero-copy views from other languages).
     pub fn as_ptr(&self) -> *mut u8 {
-        // SAFETY: the header is inside the mapping (it is at least WIN_HEADER bytes long).
-        unsafe { self.seg.as_ptr().add(WIN_HEADER) }
+        self.seg.as_ptr()
     }
 
     /// Copy `src` into the segment at `offset`. Ranks sharing a segment order their accesses
@@ -88,7 +101,7 @@ impl SharedMemory {
         self.check(offset, src.len())?;
         // SAFETY: bounds checked; a copy of plain bytes into shared memory, whose ordering
         // with other ranks is the caller's protocol.
-        unsafe { self.seg.write(WIN_HEADER + offset, src) };
+        unsafe { self.seg.write(offset, src) };
         Ok(())
     }
 
@@ -96,7 +109,7 @@ impl SharedMemory {
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
         // SAFETY: as for `write`.
-        unsafe { self.seg.read(WIN_HEADER + offset, dst) };
+        unsafe { self.seg.read(offset, dst) };
         Ok(())
     }
 
@@ -106,7 +119,7 @@ impl SharedMemory {
     /// No rank may write the segment while the slice lives.
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: caller's obligation, see above.
-        unsafe { self.seg.bytes(WIN_HEADER, self.len) }
+        unsafe { self.seg.bytes(0, self.len) }
     }
 
     /// The data as a mutable slice.
@@ -115,7 +128,7 @@ impl SharedMemory {
     /// No other rank may access the segment while the slice lives.
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: caller's obligation, see above.
-        unsafe { self.seg.bytes_mut(WIN_HEADER, self.len) }
+        unsafe { self.seg.bytes_mut(0, self.len) }
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
@@ -161,14 +174,16 @@ impl Window {
     }
 }
 
-/// A new anonymous segment of `bytes` usable bytes with its header written; returns its id.
+/// A new anonymous segment of `bytes` usable bytes with its trailer written; returns its id.
 fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
-    let seg = Segment::anonymous(WIN_HEADER + bytes)
+    let seg = Segment::anonymous(segment_len(bytes))
         .map_err(|e| Error::io(crate::OpContext { op, seq: 0 }, None, e))?;
     let id = crate::comm::random_u64();
-    seg.atomic_u64(8).store(id, Ordering::Relaxed);
-    seg.atomic_u64(16).store(bytes as u64, Ordering::Relaxed);
-    seg.atomic_u64(0).store(WIN_MAGIC, Ordering::Release);
+    let t = trailer_at(bytes);
+    seg.atomic_u64(t + 8).store(id, Ordering::Relaxed);
+    seg.atomic_u64(t + 16)
+        .store(bytes as u64, Ordering::Relaxed);
+    seg.atomic_u64(t).store(WIN_MAGIC, Ordering::Release);
     Ok((seg, id))
 }
 
@@ -236,7 +251,11 @@ impl Communicator {
                 return Err(bad());
             }
             let id = u64::from_str_radix(f[1], 16).map_err(|_| bad())?;
-            let len: usize = f[2].parse().map_err(|_| bad())?;
+            let len: usize = f[2]
+                .parse()
+                .ok()
+                .filter(|&l: &usize| l <= isize::MAX as usize / 2)
+                .ok_or_else(bad)?;
             // The record names another process's fd: it must still be our memfd (an fd number
             // can be reused for anything once the owner freed the segment).
             let path = f[0];
@@ -251,14 +270,14 @@ impl Communicator {
             let is_ours = std::fs::read_link(path)
                 .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:hcomm-window"));
             let mapped = if is_ours {
-                Segment::open_path(path, WIN_HEADER + len).ok()
+                Segment::open_path(path, segment_len(len)).ok()
             } else {
                 None
             };
             match mapped {
                 Some(seg)
-                    if seg.atomic_u64(0).load(Ordering::Acquire) == WIN_MAGIC
-                        && seg.atomic_u64(8).load(Ordering::Relaxed) == id =>
+                    if seg.atomic_u64(trailer_at(len)).load(Ordering::Acquire) == WIN_MAGIC
+                        && seg.atomic_u64(trailer_at(len) + 8).load(Ordering::Relaxed) == id =>
                 {
                     return Ok(SharedMemory { seg, owner, len });
                 }
@@ -364,7 +383,7 @@ impl Communicator {
                 // SAFETY: between the two barriers, slice `mine` of every part is read and written
                 // by this rank only (each rank owns a different slice; the caller guarantees
                 // nobody else touches the window during the call).
-                let src = unsafe { part.seg.bytes(WIN_HEADER + off, l) };
+                let src = unsafe { part.seg.bytes(off, l) };
                 if p == 0 {
                     acc.copy_from_slice(src);
                 } else {
@@ -376,7 +395,7 @@ impl Communicator {
             }
             for part in &win.parts {
                 // SAFETY: as above: this rank's slice, between the barriers.
-                unsafe { part.seg.write(WIN_HEADER + off, acc) };
+                unsafe { part.seg.write(off, acc) };
             }
             off += l;
         }

@@ -559,6 +559,11 @@ fn shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappin
             let mut all = vec![0u8; 1 << 20];
             shm.read(0, &mut all).unwrap();
             assert!(all.iter().all(|&x| x == 0x5a));
+            // The file at path() holds the data from offset 0 (what torch.from_file maps).
+            assert_eq!(shm.data_offset(), 0);
+            let file = std::fs::read(shm.path()).unwrap();
+            assert!(file.len() >= 1 << 20);
+            assert!(file[..1 << 20].iter().all(|&x| x == 0x5a));
             shm.write((1 << 20) - 2, &[1, 2]).unwrap();
             comm.signal(0, 2).unwrap();
             comm.wait_signal(0, 3).unwrap();

@@ -1,0 +1,862 @@
+//! `hcomm._hcomm`: the thin PyO3 layer between Python and the hcomm library.
+//!
+//! This module only converts: Python buffers (numpy arrays, CPU torch tensors) to byte slices,
+//! Python arguments to hcomm's types, and hcomm's errors to the exceptions of `hcomm.errors`.
+//! Every call that can block releases the GIL, and every call into the library runs under
+//! `catch_unwind`, so a panic surfaces as `hcomm.HcommError` instead of crossing the FFI
+//! boundary. The Pythonic API (HCCL names, shapes, output allocation) is `python/hcomm/`.
+
+mod buffer;
+mod errors;
+mod fusion;
+mod work;
+
+use buffer::{buffer, opt_buffer, same_dtype, Buf};
+use errors::{blocking, to_pyerr};
+use fusion::PyFusion;
+use hcomm::fusion::FusionOptions;
+use hcomm::{Communicator as Comm, DType, ReduceOp};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use work::PyWork;
+
+fn parse_op(op: &str) -> PyResult<ReduceOp> {
+    op.parse::<ReduceOp>().map_err(PyValueError::new_err)
+}
+
+fn parse_dtype(d: &str) -> PyResult<DType> {
+    d.parse::<DType>().map_err(PyValueError::new_err)
+}
+
+/// Equal per-rank counts for a buffer of `total` elements split `n` ways, or a ValueError.
+fn equal_counts(op: &str, what: &str, total: usize, n: usize) -> PyResult<Vec<usize>> {
+    if !total.is_multiple_of(n) {
+        return Err(PyValueError::new_err(format!(
+            "{op}: {what} has {total} elements, which do not split into {n} equal blocks (one per rank)"
+        )));
+    }
+    Ok(vec![total / n; n])
+}
+
+/// What the output buffer is called in errors: `tensor` in place, `out` otherwise.
+fn out_name(send: Option<&Bound<'_, PyAny>>) -> &'static str {
+    if send.is_some_and(|s| !s.is_none()) {
+        "out"
+    } else {
+        "tensor"
+    }
+}
+
+/// `send` as an input separate from `recv`, or `None` when it is absent or the same memory
+/// (in place). Partly overlapping buffers are refused.
+fn input_of(op: &str, send: Option<Buf>, recv: &Buf) -> PyResult<Option<Buf>> {
+    match send {
+        None => Ok(None),
+        Some(s) if s.same_memory(recv) => Ok(None),
+        Some(s) if s.overlaps(recv) => Err(PyValueError::new_err(format!(
+            "{op}: the input and output buffers partly overlap; pass the same buffer (in place) or separate ones"
+        ))),
+        Some(s) => Ok(Some(s)),
+    }
+}
+
+/// A communicator: a group of ranks that run collectives together (see `hcomm.Communicator`
+/// for the documented API; this class is its engine).
+#[pyclass(name = "Communicator", module = "hcomm._hcomm", frozen)]
+struct PyComm {
+    comm: Arc<Comm>,
+}
+
+impl PyComm {
+    fn wrap(comm: Comm) -> PyComm {
+        PyComm {
+            comm: Arc::new(comm),
+        }
+    }
+
+    /// Run `job` now (blocking, without the GIL) or, with `async_op`, on the communicator's
+    /// progress engine, returning its handle; `objects` are kept alive until it finishes.
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        async_op: bool,
+        objects: Vec<Py<PyAny>>,
+        job: impl FnOnce(&Comm) -> hcomm::Result<()> + Send + 'static,
+    ) -> PyResult<Option<PyWork>> {
+        if async_op {
+            return Ok(Some(work::submit(&self.comm, op, objects, job)));
+        }
+        let c = self.comm.clone();
+        blocking(py, move || job(&c)).map(|()| None)
+    }
+}
+
+/// The Python objects among `objs`, as owned references (kept by asynchronous jobs).
+fn keep(objs: &[Option<&Bound<'_, PyAny>>]) -> Vec<Py<PyAny>> {
+    objs.iter()
+        .flatten()
+        .filter(|o| !o.is_none())
+        .map(|o| (*o).clone().unbind())
+        .collect()
+}
+
+#[pymethods]
+impl PyComm {
+    /// Join the job described by the environment (HCOMM_*, torchrun, Open MPI, PMI, Slurm
+    /// variables, or HCOMM_RANK_TABLE).
+    #[staticmethod]
+    fn from_env(py: Python<'_>) -> PyResult<PyComm> {
+        blocking(py, Comm::from_env).map(PyComm::wrap)
+    }
+
+    /// Join the job described by a rank table (`hcom_config.json`) as `rank`.
+    #[staticmethod]
+    fn from_rank_table(py: Python<'_>, path: std::path::PathBuf, rank: usize) -> PyResult<PyComm> {
+        blocking(py, move || Comm::from_rank_table(path, rank)).map(PyComm::wrap)
+    }
+
+    /// Join a job described by `vars` (variable name to value, e.g. HCOMM_RANK,
+    /// HCOMM_WORLD_SIZE, HCOMM_MASTER_ADDR, HCOMM_MASTER_PORT), falling back to the process
+    /// environment for the variables it does not name. A value of None hides the variable.
+    #[staticmethod]
+    fn from_vars(
+        py: Python<'_>,
+        vars: std::collections::HashMap<String, Option<String>>,
+    ) -> PyResult<PyComm> {
+        blocking(py, move || {
+            let cfg = hcomm::BootstrapConfig::from_vars(|k| match vars.get(k) {
+                Some(v) => v.clone(),
+                None => std::env::var(k).ok(),
+            })?;
+            Comm::from_config(&cfg)
+        })
+        .map(PyComm::wrap)
+    }
+
+    /// This rank, 0..world_size.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// This rank's index among the ranks of its host.
+    #[getter]
+    fn local_rank(&self) -> usize {
+        self.comm.local_rank()
+    }
+
+    /// Number of ranks on this rank's host.
+    #[getter]
+    fn local_world_size(&self) -> usize {
+        self.comm.local_world_size()
+    }
+
+    /// This rank's host identity.
+    #[getter]
+    fn host_id(&self) -> String {
+        self.comm.host_id().to_string()
+    }
+
+    /// The communicator's id (unique within the job).
+    #[getter]
+    fn id(&self) -> String {
+        self.comm.id().to_string()
+    }
+
+    /// True when the ranks share a host and collectives use shared memory.
+    #[getter]
+    fn has_shared_memory(&self) -> bool {
+        self.comm.has_shared_memory()
+    }
+
+    /// Deadline of every blocking call, in seconds.
+    #[getter]
+    fn get_timeout(&self) -> f64 {
+        self.comm.timeout().as_secs_f64()
+    }
+
+    #[setter]
+    fn set_timeout(&self, seconds: f64) -> PyResult<()> {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a positive number of seconds, got {seconds}"
+            )));
+        }
+        self.comm.set_timeout(Duration::from_secs_f64(seconds));
+        Ok(())
+    }
+
+    /// Abort: every operation in flight and every later one fails with AbortedError. Safe to
+    /// call from any thread.
+    fn abort(&self) {
+        self.comm.abort();
+    }
+
+    /// All-reduce `send` into `recv` with `op`; `send=None` (or the same buffer) is in place.
+    #[pyo3(signature = (send, recv, op = "sum", async_op = false))]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "all_reduce";
+        let op = parse_op(op)?;
+        let r = buffer(OP, out_name(send), recv, true)?;
+        let s = input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?;
+        same_dtype(OP, s.as_ref(), &r)?;
+        // SAFETY (every byte view made from a `Buf` in the jobs below): the Python objects
+        // behind the views outlive the job (borrowed by the call, or kept by the Work), and
+        // input and output do not overlap.
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.all_reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op)
+            },
+        )
+    }
+
+    /// All-gather: `recv` receives every rank's `send` in rank order. `counts` (elements per
+    /// rank) defaults to equal blocks. `send=None` is in place (this rank's block already in
+    /// `recv`).
+    #[pyo3(signature = (send, recv, counts = None, async_op = false))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+        counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "all_gather";
+        let n = self.comm.world_size();
+        let r = buffer(OP, out_name(send), recv, true)?;
+        let s = input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?;
+        same_dtype(OP, s.as_ref(), &r)?;
+        let counts = match (counts, &s) {
+            (Some(c), _) => c,
+            (None, Some(s)) => vec![s.elements(); n],
+            (None, None) => equal_counts(OP, "the output", r.elements(), n)?,
+        };
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.all_gather_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype)
+            },
+        )
+    }
+
+    /// Reduce-scatter: rank p receives in `recv` the reduction of block p of every rank's
+    /// `send`. `counts` defaults to equal blocks. `send=None`: `recv` is the whole buffer and
+    /// the result lands in this rank's block of it.
+    #[pyo3(signature = (send, recv, op = "sum", counts = None, async_op = false))]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+        op: &str,
+        counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "reduce_scatter";
+        let op = parse_op(op)?;
+        let n = self.comm.world_size();
+        let r = buffer(OP, out_name(send), recv, true)?;
+        let s = input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?;
+        same_dtype(OP, s.as_ref(), &r)?;
+        let counts = match (counts, &s) {
+            (Some(c), _) => c,
+            (None, Some(_)) => vec![r.elements(); n],
+            (None, None) => equal_counts(OP, "the buffer", r.elements(), n)?,
+        };
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe {
+                c.reduce_scatter_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype, op)
+            },
+        )
+    }
+
+    /// Broadcast `buf` from `root` to every rank, in place.
+    #[pyo3(signature = (buf, root, async_op = false))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "broadcast";
+        let b = buffer(OP, "tensor", buf, true)?;
+        self.dispatch(py, OP, async_op, keep(&[Some(buf)]), move |c| unsafe {
+            c.broadcast_bytes(b.bytes_mut(), b.dtype, root)
+        })
+    }
+
+    /// Reduce `send` over all ranks into `recv` on `root`. `recv` may be None on other ranks;
+    /// `send=None` (or the same buffer) is in place on `recv`.
+    #[pyo3(signature = (send, recv, op, root, async_op = false))]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        root: usize,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "reduce";
+        let op = parse_op(op)?;
+        let (s, r) = match opt_buffer(OP, out_name(send), recv, true)? {
+            Some(r) => (input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?, r),
+            None => {
+                let s = opt_buffer(OP, "tensor", send, false)?.ok_or_else(|| {
+                    PyValueError::new_err("reduce: give an input, an output, or both")
+                })?;
+                (Some(s), Buf::empty(s.dtype))
+            }
+        };
+        same_dtype(OP, s.as_ref(), &r)?;
+        self.dispatch(py, OP, async_op, keep(&[send, recv]), move |c| unsafe {
+            c.reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op, root)
+        })
+    }
+
+    /// Gather every rank's `send` into `recv` on `root` (None elsewhere). `counts` defaults
+    /// to equal blocks.
+    #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: Option<&Bound<'_, PyAny>>,
+        root: usize,
+        counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "gather";
+        let s = buffer(OP, "tensor", send, false)?;
+        let r = opt_buffer(OP, "out", recv, true)?.unwrap_or(Buf::empty(s.dtype));
+        if s.overlaps(&r) {
+            return Err(PyValueError::new_err(
+                "gather: the input and output buffers overlap",
+            ));
+        }
+        same_dtype(OP, Some(&s), &r)?;
+        let counts = counts.unwrap_or_else(|| vec![s.elements(); self.comm.world_size()]);
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[Some(send), recv]),
+            move |c| unsafe { c.gather_v_bytes(s.bytes(), r.bytes_mut(), &counts, s.dtype, root) },
+        )
+    }
+
+    /// Scatter `root`'s `send` (None elsewhere) in rank order: every rank receives its block
+    /// in `recv`. `counts` defaults to equal blocks.
+    #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        send: Option<&Bound<'_, PyAny>>,
+        recv: &Bound<'_, PyAny>,
+        root: usize,
+        counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "scatter";
+        let r = buffer(OP, "out", recv, true)?;
+        let s = opt_buffer(OP, "tensor", send, false)?.unwrap_or(Buf::empty(r.dtype));
+        if s.overlaps(&r) {
+            return Err(PyValueError::new_err(
+                "scatter: the input and output buffers overlap",
+            ));
+        }
+        same_dtype(OP, Some(&s), &r)?;
+        let counts = counts.unwrap_or_else(|| vec![r.elements(); self.comm.world_size()]);
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[send, Some(recv)]),
+            move |c| unsafe { c.scatter_v_bytes(s.bytes(), r.bytes_mut(), &counts, r.dtype, root) },
+        )
+    }
+
+    /// All-to-all: block p of `send` goes to rank p; block p of `recv` comes from rank p.
+    /// Counts (elements per peer) default to equal blocks.
+    #[pyo3(signature = (send, recv, send_counts = None, recv_counts = None, async_op = false))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        send_counts: Option<Vec<usize>>,
+        recv_counts: Option<Vec<usize>>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "all_to_all";
+        let n = self.comm.world_size();
+        let s = buffer(OP, "tensor", send, false)?;
+        let r = buffer(OP, "out", recv, true)?;
+        if s.overlaps(&r) {
+            return Err(PyValueError::new_err(
+                "all_to_all: the input and output buffers overlap (all-to-all is not in place)",
+            ));
+        }
+        same_dtype(OP, Some(&s), &r)?;
+        let sc = match send_counts {
+            Some(c) => c,
+            None => equal_counts(OP, "the input", s.elements(), n)?,
+        };
+        let rc = match recv_counts {
+            Some(c) => c,
+            None => equal_counts(OP, "the output", r.elements(), n)?,
+        };
+        self.dispatch(
+            py,
+            OP,
+            async_op,
+            keep(&[Some(send), Some(recv)]),
+            move |c| unsafe { c.all_to_all_v_bytes(s.bytes(), &sc, r.bytes_mut(), &rc, r.dtype) },
+        )
+    }
+
+    /// Block until every rank has called barrier.
+    #[pyo3(signature = (async_op = false))]
+    fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Option<PyWork>> {
+        self.dispatch(py, "barrier", async_op, vec![], |c| c.barrier())
+    }
+
+    /// Send `buf` to `peer` with `tag`.
+    #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        buf: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        let b = buffer("send", "tensor", buf, false)?;
+        self.dispatch(py, "send", async_op, keep(&[Some(buf)]), move |c| unsafe {
+            c.send_bytes(peer, tag, b.bytes())
+        })
+    }
+
+    /// Receive into `buf` the message `peer` sent with `tag` (sizes must match).
+    #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        buf: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        let b = buffer("recv", "tensor", buf, true)?;
+        self.dispatch(py, "recv", async_op, keep(&[Some(buf)]), move |c| unsafe {
+            c.recv_bytes(peer, tag, b.bytes_mut())
+        })
+    }
+
+    /// Send `send` to `dst` and receive `recv` from `src` at the same time.
+    fn send_recv(
+        &self,
+        py: Python<'_>,
+        dst: usize,
+        send: &Bound<'_, PyAny>,
+        src: usize,
+        recv: &Bound<'_, PyAny>,
+        tag: u32,
+    ) -> PyResult<()> {
+        const OP: &str = "send_recv";
+        let s = buffer(OP, "send", send, false)?;
+        let r = buffer(OP, "recv", recv, true)?;
+        if s.overlaps(&r) {
+            return Err(PyValueError::new_err(
+                "send_recv: the send and recv buffers overlap",
+            ));
+        }
+        let c = self.comm.clone();
+        blocking(py, move || unsafe {
+            c.send_recv::<u8>(dst, s.bytes(), src, r.bytes_mut(), tag)
+        })
+    }
+
+    /// Post a signal to `peer` (does not wait for it to be consumed).
+    fn signal(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<()> {
+        let c = self.comm.clone();
+        blocking(py, move || c.signal(peer, tag))
+    }
+
+    /// Wait for a signal from `peer` with `tag`.
+    #[pyo3(signature = (peer, tag, async_op = false))]
+    fn wait_signal(
+        &self,
+        py: Python<'_>,
+        peer: usize,
+        tag: u32,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        self.dispatch(py, "wait_signal", async_op, vec![], move |c| {
+            c.wait_signal(peer, tag)
+        })
+    }
+
+    /// Fused all-reduces on this communicator (see `hcomm.Fusion`).
+    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20))]
+    fn fusion(
+        &self,
+        op: &str,
+        cap_bytes: usize,
+        first_bucket_bytes: usize,
+        direct_bytes: usize,
+    ) -> PyResult<PyFusion> {
+        let opts = FusionOptions {
+            cap_bytes,
+            first_bucket_bytes,
+            direct_bytes,
+        };
+        Ok(PyFusion::new(self.comm.clone(), parse_op(op)?, opts))
+    }
+
+    /// Open a connection to `peer` under `tag` (both ranks call it with each other's rank).
+    fn connect(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<PyConnection> {
+        let c = self.comm.clone();
+        let conn = blocking(py, move || {
+            let conn = c.connect(peer, tag)?;
+            // SAFETY: the connection borrows the communicator behind `c`'s Arc. PyConnection
+            // keeps a clone of that Arc, declared after the connection, so the communicator
+            // (whose address never changes) outlives it.
+            Ok(unsafe {
+                std::mem::transmute::<hcomm::Connection<'_>, hcomm::Connection<'static>>(conn)
+            })
+        })?;
+        Ok(PyConnection {
+            conn: Mutex::new(Some(conn)),
+            _comm: self.comm.clone(),
+            peer,
+            tag,
+        })
+    }
+
+    /// Allocate `size` bytes of shared memory and publish it for the ranks of this host.
+    /// Not collective.
+    fn alloc_shared(&self, py: Python<'_>, size: usize) -> PyResult<PySharedMemory> {
+        let c = self.comm.clone();
+        blocking(py, move || c.alloc_shared(size)).map(PySharedMemory::new)
+    }
+
+    /// Map the shared memory `src_rank` allocated (waits for it up to the timeout).
+    fn get_shared(&self, py: Python<'_>, src_rank: usize) -> PyResult<PySharedMemory> {
+        let c = self.comm.clone();
+        blocking(py, move || c.get_shared(src_rank)).map(PySharedMemory::new)
+    }
+
+    /// Split into sub-communicators (collective): ranks passing the same `color` form one,
+    /// ordered by (key, rank). color=None leaves this rank out (returns None).
+    #[pyo3(signature = (color, key = 0))]
+    fn split(&self, py: Python<'_>, color: Option<u32>, key: i64) -> PyResult<Option<PyComm>> {
+        let c = self.comm.clone();
+        blocking(py, move || c.split(color, key)).map(|o| o.map(PyComm::wrap))
+    }
+
+    /// A communicator of `ranks` (only they call it, each with the same list).
+    fn new_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<PyComm> {
+        let c = self.comm.clone();
+        blocking(py, move || c.new_group(&ranks)).map(PyComm::wrap)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<hcomm._hcomm.Communicator {} rank {} of {}>",
+            self.comm.id(),
+            self.comm.rank(),
+            self.comm.world_size()
+        )
+    }
+}
+
+/// A connection to one peer under one tag (HCCL's CreateConnection).
+#[pyclass(name = "Connection", module = "hcomm._hcomm", frozen)]
+struct PyConnection {
+    /// Declared before `_comm`: dropped first.
+    conn: Mutex<Option<hcomm::Connection<'static>>>,
+    _comm: Arc<Comm>,
+    peer: usize,
+    tag: u32,
+}
+
+impl PyConnection {
+    fn with<R>(
+        &self,
+        f: impl FnOnce(&hcomm::Connection<'static>) -> hcomm::Result<R>,
+    ) -> hcomm::Result<R> {
+        let guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(c) => f(c),
+            None => Err(hcomm::Error::invalid(
+                "connection",
+                0,
+                format!(
+                    "the connection to rank {} with tag {} is closed",
+                    self.peer, self.tag
+                ),
+            )),
+        }
+    }
+}
+
+#[pymethods]
+impl PyConnection {
+    /// The peer's rank.
+    #[getter]
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// The tag.
+    #[getter]
+    fn tag(&self) -> u32 {
+        self.tag
+    }
+
+    /// True once closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.conn.lock().map(|g| g.is_none()).unwrap_or(true)
+    }
+
+    /// Send `buf` on the connection.
+    fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+        let b = buffer("send", "tensor", buf, false)?;
+        blocking(py, move || {
+            self.with(|c| unsafe { c.send::<u8>(b.bytes()) })
+        })
+    }
+
+    /// Receive into `buf` from the connection (sizes must match).
+    fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+        let b = buffer("recv", "tensor", buf, true)?;
+        blocking(py, move || {
+            self.with(|c| unsafe { c.recv::<u8>(b.bytes_mut()) })
+        })
+    }
+
+    /// Close the connection (local; closing twice is harmless).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match conn {
+            Some(c) => blocking(py, move || c.close()),
+            None => Ok(()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<hcomm._hcomm.Connection peer={} tag={}{}>",
+            self.peer,
+            self.tag,
+            if self.closed() { " closed" } else { "" }
+        )
+    }
+}
+
+/// Shared memory of one rank, mapped here. `free()` unmaps it (and, for the owner,
+/// unpublishes it); the address is invalid afterwards.
+#[pyclass(name = "SharedMemory", module = "hcomm._hcomm", frozen)]
+struct PySharedMemory {
+    shm: RwLock<Option<hcomm::SharedMemory>>,
+    owner: usize,
+    size: usize,
+    path: String,
+}
+
+impl PySharedMemory {
+    fn new(shm: hcomm::SharedMemory) -> PySharedMemory {
+        PySharedMemory {
+            owner: shm.owner(),
+            size: shm.len(),
+            path: shm.path().to_string(),
+            shm: RwLock::new(Some(shm)),
+        }
+    }
+
+    fn freed_error(&self) -> PyErr {
+        PyValueError::new_err(format!(
+            "the shared memory of rank {} ({}) was freed",
+            self.owner, self.path
+        ))
+    }
+}
+
+#[pymethods]
+impl PySharedMemory {
+    /// Usable bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The rank that allocated it.
+    #[getter]
+    fn owner(&self) -> usize {
+        self.owner
+    }
+
+    /// A file that maps the same memory (data at offset 0), valid while the owner holds it.
+    #[getter]
+    fn path(&self) -> String {
+        self.path.clone()
+    }
+
+    /// Byte offset of the data in the file at `path` (0).
+    #[getter]
+    fn data_offset(&self) -> usize {
+        0
+    }
+
+    /// Address of the first byte (for zero-copy views); an error once freed.
+    #[getter]
+    fn address(&self) -> PyResult<usize> {
+        let g = self.shm.read().unwrap_or_else(|p| p.into_inner());
+        g.as_ref()
+            .map(|s| s.as_ptr() as usize)
+            .ok_or_else(|| self.freed_error())
+    }
+
+    /// True once freed.
+    #[getter]
+    fn freed(&self) -> bool {
+        self.shm.read().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    /// Copy `data` (bytes-like) into the memory at `offset`.
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&self, py: Python<'_>, data: Vec<u8>, offset: usize) -> PyResult<()> {
+        let g = self.shm.read().unwrap_or_else(|p| p.into_inner());
+        let s = g.as_ref().ok_or_else(|| self.freed_error())?;
+        s.write(offset, &data).map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Copy `size` bytes at `offset` out of the memory.
+    #[pyo3(signature = (size, offset = 0))]
+    fn read(&self, py: Python<'_>, size: usize, offset: usize) -> PyResult<Vec<u8>> {
+        let g = self.shm.read().unwrap_or_else(|p| p.into_inner());
+        let s = g.as_ref().ok_or_else(|| self.freed_error())?;
+        let mut out = vec![0u8; size];
+        s.read(offset, &mut out).map_err(|e| to_pyerr(py, e))?;
+        Ok(out)
+    }
+
+    /// Unmap (and, for the owner, free) the memory. Views made from `address` must be gone.
+    fn free(&self) {
+        let shm = self.shm.write().unwrap_or_else(|p| p.into_inner()).take();
+        drop(shm);
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<hcomm._hcomm.SharedMemory owner={} size={} path={}{}>",
+            self.owner,
+            self.size,
+            self.path,
+            if self.freed() { " freed" } else { "" }
+        )
+    }
+}
+
+/// Start `nprocs` local ranks of `program args…` with the hcomm and torch launch variables
+/// set (what `hcomm run` does); returns the first non-zero exit code, or 0.
+#[pyfunction]
+#[pyo3(signature = (program, args, nprocs = 1, nnodes = 1, node_rank = 0, master_addr = None, master_port = None, prefix_output = true, grace_ms = 3000))]
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    py: Python<'_>,
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+    nprocs: usize,
+    nnodes: usize,
+    node_rank: usize,
+    master_addr: Option<String>,
+    master_port: Option<u16>,
+    prefix_output: bool,
+    grace_ms: u64,
+) -> PyResult<i32> {
+    use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
+    let mut spec = LaunchSpec::new(nprocs, program, args);
+    spec.nnodes = nnodes;
+    spec.node_rank = node_rank;
+    if let Some(a) = master_addr {
+        spec.master_addr = a;
+    }
+    spec.master_port = master_port;
+    spec.prefix_output = prefix_output;
+    spec.grace = Duration::from_millis(grace_ms);
+    let r = py.detach(move || std::panic::catch_unwind(move || launch(&spec)));
+    match r {
+        Ok(Ok(code)) => Ok(code),
+        Ok(Err(e)) => {
+            let code = if matches!(e, LaunchError::Spawn { .. }) {
+                127
+            } else {
+                1
+            };
+            Err(errors::launch_error(py, e.to_string(), code))
+        }
+        Err(p) => Err(PyRuntimeError::new_err(format!(
+            "hcomm run: internal error (a bug in hcomm): {}",
+            errors::panic_message(&p)
+        ))),
+    }
+}
+
+/// The element types hcomm communicates, by numpy name.
+#[pyfunction]
+fn dtypes() -> Vec<&'static str> {
+    buffer::DTYPE_NAMES.iter().map(|(n, _)| *n).collect()
+}
+
+/// Size in bytes of one element of dtype `name` (`float32`, `bf16`, ...).
+#[pyfunction]
+fn dtype_size(name: &str) -> PyResult<usize> {
+    parse_dtype(name).map(|d| d.size())
+}
+
+/// The Rust extension of the `hcomm` package.
+#[pymodule]
+fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyComm>()?;
+    m.add_class::<PyConnection>()?;
+    m.add_class::<PySharedMemory>()?;
+    m.add_class::<PyWork>()?;
+    m.add_class::<PyFusion>()?;
+    m.add_function(wrap_pyfunction!(launch, m)?)?;
+    m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(dtype_size, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

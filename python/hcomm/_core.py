@@ -1,0 +1,1114 @@
+"""The Python API of hcomm: :class:`Communicator`, :class:`Connection`, :class:`SharedMemory`,
+and the HCCL-named functions over a default communicator (``InitHcom``, ``AllReduce``, ...).
+
+Tensors are numpy arrays or CPU torch tensors of the dtypes in :data:`DTYPES`, C-contiguous.
+hcomm reads and writes their memory directly (no copies); the Python objects are kept alive
+for as long as an operation uses them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+from typing import Any, Optional, Sequence
+
+from . import _hcomm
+from .errors import ConfigError, HcommError
+
+#: The dtypes hcomm communicates (numpy / torch names).
+DTYPES: tuple[str, ...] = tuple(_hcomm.dtypes())
+
+#: The reduction operators.
+OPS: tuple[str, ...] = ("sum", "prod", "min", "max", "mean")
+
+_RANK_VARS = ("HCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+# ----------------------------------------------------------------------------------------------
+# tensors
+
+
+def _is_torch(t: Any) -> bool:
+    return type(t).__module__.startswith("torch") and hasattr(t, "data_ptr")
+
+
+def _check_tensor(op: str, what: str, t: Any) -> None:
+    if _is_torch(t) or hasattr(t, "__array_interface__"):
+        return
+    raise TypeError(
+        f"{op}: {what} must be a numpy.ndarray or a CPU torch.Tensor, got {type(t).__name__}"
+    )
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in t.shape)
+
+
+def _empty(like: Any, shape: Sequence[int]) -> Any:
+    """An uninitialised array/tensor of `like`'s kind and dtype."""
+    if _is_torch(like):
+        import torch
+
+        return torch.empty(tuple(shape), dtype=like.dtype)
+    import numpy as np
+
+    return np.empty(tuple(shape), dtype=like.dtype)
+
+
+def _dim(op: str, dim: int, ndim: int) -> int:
+    if ndim == 0:
+        raise ValueError(f"{op}: the tensor has no dimensions (give it a shape of at least (1,))")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{op}: dim {dim} is out of range for a tensor of {ndim} dimensions")
+    return dim % ndim
+
+
+def _check_out(op: str, out: Any, like: Any, shape: Sequence[int]) -> Any:
+    """`out` if it has the expected shape and dtype, else a new array/tensor."""
+    if out is None:
+        return _empty(like, shape)
+    _check_tensor(op, "out", out)
+    if _shape(out) != tuple(shape):
+        raise ValueError(f"{op}: out has shape {_shape(out)}, expected {tuple(shape)}")
+    if str(out.dtype) != str(like.dtype):
+        raise TypeError(f"{op}: out has dtype {out.dtype}, the input {like.dtype}")
+    return out
+
+
+def _concat(parts: Any, dim: int, out: Any) -> Any:
+    """Concatenate parts[0], parts[1], ... (a (W, ...) array/tensor) along `dim`."""
+    if _is_torch(parts):
+        import torch
+
+        if out is None:
+            return torch.cat(parts.unbind(0), dim=dim)
+        return torch.cat(parts.unbind(0), dim=dim, out=out)
+    import numpy as np
+
+    return np.concatenate(list(parts), axis=dim, out=out)
+
+
+def _elements(t: Any) -> int:
+    n = 1
+    for d in _shape(t):
+        n *= d
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# handles
+
+
+class Work:
+    """A handle on an asynchronous operation (the ``...Async`` forms): :meth:`wait` returns
+    its result, :meth:`is_completed` polls without blocking.
+
+    Operations on one communicator run in the order they were issued, blocking ones included
+    (a blocking call issued after an async one waits for it). The tensors an operation uses
+    are kept alive until it completes, even if the handle is dropped; do not read or write
+    them before :meth:`wait` returns."""
+
+    def __init__(self, engine: Any, result: Any = None, keep: tuple = (), finish: Any = None) -> None:
+        self._engine = engine
+        self._result = result
+        self._keep = keep
+        self._finish = finish
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until the operation completes and return its result (the output tensor, or
+        None). With `timeout` (seconds), raise :class:`HcommTimeoutError` if it is still in
+        flight then; it goes on, and `wait` can be called again. Raises the operation's error
+        if it failed (on every call)."""
+        if self._engine is not None:
+            self._engine.wait(timeout)
+            self._engine = None
+            self._keep = ()
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished (successfully or not). Never blocks."""
+        return self._engine is None or self._engine.is_completed()
+
+    def result(self) -> Any:
+        """Same as :meth:`wait`."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<hcomm.Work {state}>"
+
+
+# ----------------------------------------------------------------------------------------------
+# connections and shared memory
+
+
+class Connection:
+    """A connection to one peer under one tag (``CreateConnection``). Both ranks create it
+    with each other's rank and the same tag. Use as a context manager or close it with
+    :meth:`close` (``DestroyConnection``)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    @property
+    def peer(self) -> int:
+        """The other rank."""
+        return self._raw.peer
+
+    @property
+    def tag(self) -> int:
+        """The tag."""
+        return self._raw.tag
+
+    @property
+    def closed(self) -> bool:
+        """True once closed."""
+        return self._raw.closed
+
+    def send(self, tensor: Any) -> None:
+        """Send `tensor` to the peer (the peer receives into a tensor of the same byte size)."""
+        _check_tensor("send", "tensor", tensor)
+        self._raw.send(tensor)
+
+    def recv(self, tensor: Any) -> Any:
+        """Receive into `tensor` (in place) and return it."""
+        _check_tensor("recv", "tensor", tensor)
+        self._raw.recv(tensor)
+        return tensor
+
+    def close(self) -> None:
+        """Close the connection (local; closing twice is harmless)."""
+        self._raw.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hcomm.Connection peer={self.peer} tag={self.tag}{' closed' if self.closed else ''}>"
+
+
+class _ArrayView:
+    """Exposes a range of shared memory through ``__array_interface__``; numpy arrays made
+    from it keep it (and so the SharedMemory) alive."""
+
+    __slots__ = ("__array_interface__", "_shm", "__weakref__")
+
+    def __init__(self, shm: "SharedMemory", interface: dict) -> None:
+        self.__array_interface__ = interface
+        self._shm = shm
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    import numpy as np
+
+    if str(dtype) in ("bfloat16", "bf16", "torch.bfloat16"):
+        try:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            raise TypeError(
+                "numpy has no bfloat16: install ml_dtypes, or use shm.torch(torch.bfloat16)"
+            ) from None
+    if str(dtype).startswith("torch."):
+        dtype = str(dtype)[len("torch.") :]
+    return np.dtype(dtype)
+
+
+class SharedMemory(os.PathLike):
+    """Shared memory of one rank (``AllocateSharedMemory`` / ``GetSharedMemory``).
+
+    * :meth:`numpy` and :meth:`torch` view it as an array / tensor of a dtype and shape,
+      zero-copy: writes by any rank of the host are seen by all.
+    * :attr:`path` (also ``os.fspath(shm)``) is a file that maps the same memory, data at
+      offset 0: ``torch.from_file(shm.path, shared=True, size=n)`` or ``numpy.memmap(shm)``.
+      It is valid while the owner holds the memory.
+    * :meth:`free` (``FreeSharedMemory``) unmaps it, and for the owner frees it. Views must be
+      deleted first; peers' mappings stay valid.
+
+    Ranks order their accesses themselves (``Signal``/``Wait`` or ``Barrier``).
+    """
+
+    def __init__(self, raw: Any, flags: str = "read_write") -> None:
+        if flags not in ("read_write", "read_only"):
+            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+        self._raw = raw
+        self.flags = flags
+        self._views: "weakref.WeakSet[_ArrayView]" = weakref.WeakSet()
+
+    @property
+    def path(self) -> str:
+        """A file mapping the same memory (data at offset 0)."""
+        return self._raw.path
+
+    def __fspath__(self) -> str:
+        return self._raw.path
+
+    @property
+    def size(self) -> int:
+        """Usable bytes."""
+        return self._raw.size
+
+    def __len__(self) -> int:
+        return self._raw.size
+
+    @property
+    def owner(self) -> int:
+        """The rank that allocated it."""
+        return self._raw.owner
+
+    @property
+    def data_offset(self) -> int:
+        """Offset of the data in the file at :attr:`path` (0)."""
+        return self._raw.data_offset
+
+    @property
+    def freed(self) -> bool:
+        """True once :meth:`free` was called."""
+        return self._raw.freed
+
+    def _interface(self, np_dtype: Any, shape: Optional[Sequence[int]], offset: int) -> dict:
+        itemsize = np_dtype.itemsize
+        if offset < 0 or offset % itemsize:
+            raise ValueError(f"offset {offset} is not a non-negative multiple of {itemsize} bytes")
+        if shape is None:
+            shape = ((self.size - offset) // itemsize,) if offset <= self.size else (0,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(n) for n in shape)
+        nbytes = itemsize
+        for n in shape:
+            if n < 0:
+                raise ValueError(f"negative dimension in shape {shape}")
+            nbytes *= n
+        if offset + nbytes > self.size:
+            raise ValueError(
+                f"{nbytes} bytes of shape {shape} at offset {offset} do not fit in "
+                f"{self.size} bytes of shared memory"
+            )
+        return {
+            "version": 3,
+            "shape": shape,
+            "typestr": np_dtype.str,
+            "descr": np_dtype.descr,
+            "data": (self._raw.address + offset, self.flags == "read_only"),
+            "strides": None,
+        }
+
+    def numpy(self, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None, offset: int = 0) -> Any:
+        """The memory as a numpy array of `dtype` (numpy dtype or name) and `shape` (default:
+        as many elements as fit), starting `offset` bytes in. Zero-copy; read-only when the
+        memory was mapped with flags="read_only"."""
+        import numpy as np
+
+        np_dtype = _numpy_dtype(dtype)
+        view = _ArrayView(self, self._interface(np_dtype, shape, offset))
+        self._views.add(view)
+        arr = np.asarray(view)
+        if arr.dtype != np_dtype:  # e.g. ml_dtypes' bfloat16 comes back as void
+            arr = arr.view(np_dtype)
+        return arr
+
+    def torch(self, dtype: Any = None, shape: Optional[Sequence[int]] = None, offset: int = 0) -> Any:
+        """The memory as a torch tensor of `dtype` (torch dtype, default float32) and `shape`,
+        starting `offset` bytes in. Zero-copy."""
+        import numpy as np
+        import torch
+
+        if self.flags == "read_only":
+            raise ValueError("read-only shared memory cannot be a torch tensor (torch has no read-only tensors); use numpy()")
+        dtype = torch.float32 if dtype is None else dtype
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.replace("torch.", ""))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        carrier = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize]
+        arr = self.numpy(carrier, shape, offset)
+        return torch.from_numpy(arr).view(dtype)
+
+    def free(self) -> None:
+        """Unmap the memory (for the owner: free it). Raises BufferError while numpy or torch
+        views of it are alive. Freeing twice is harmless."""
+        if len(self._views):
+            gc.collect()
+        if len(self._views):
+            raise BufferError(
+                f"{len(self._views)} numpy/torch view(s) of this shared memory are still alive; "
+                "delete them before freeing it"
+            )
+        self._raw.free()
+
+    def __enter__(self) -> "SharedMemory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        return (
+            f"<hcomm.SharedMemory owner={self.owner} size={self.size} path={self.path}"
+            f"{' freed' if self.freed else ''}>"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# the communicator
+
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    Make one with :meth:`from_env` (under ``hcomm run``, torchrun, mpirun, srun) or
+    :meth:`from_rank_table`, or let :func:`InitHcom` make the default one. Operations on one
+    communicator run one at a time, in the order they are issued.
+    """
+
+    def __init__(self, engine: Any, name: str = "world") -> None:
+        self._c = engine
+        self.name = name
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, name: str = "world") -> "Communicator":
+        """Join the job described by the environment (``HCOMM_*``, torchrun, Open MPI, PMI,
+        Slurm variables, or ``HCOMM_RANK_TABLE``)."""
+        return cls(_hcomm.Communicator.from_env(), name)
+
+    @classmethod
+    def from_rank_table(cls, path: "str | os.PathLike[str]", rank: Optional[int] = None, name: str = "world") -> "Communicator":
+        """Join the job described by a rank table (``hcom_config.json``). `rank` defaults to
+        the first of ``HCOMM_RANK``, ``RANK``, ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``,
+        ``SLURM_PROCID`` that is set."""
+        if rank is None:
+            var = next((v for v in _RANK_VARS if os.environ.get(v, "").strip()), None)
+            if var is None:
+                raise ConfigError(
+                    f"rank table {os.fspath(path)}: no rank given and none of {', '.join(_RANK_VARS)} is set"
+                )
+            try:
+                rank = int(os.environ[var].strip())
+            except ValueError:
+                raise ConfigError(f"{var}={os.environ[var]} is not a non-negative integer") from None
+        return cls(_hcomm.Communicator.from_rank_table(os.fspath(path), rank), name)
+
+    @classmethod
+    def from_vars(cls, variables: dict, name: str = "world") -> "Communicator":
+        """Join a job described by `variables` (``HCOMM_RANK``, ``HCOMM_WORLD_SIZE``,
+        ``HCOMM_MASTER_ADDR``, ...), the process environment filling in the rest."""
+        return cls(_hcomm.Communicator.from_vars({k: None if v is None else str(v) for k, v in variables.items()}), name)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This rank, ``0..world_size``."""
+        return self._c.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self._c.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its host."""
+        return self._c.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of ranks on this host."""
+        return self._c.local_world_size
+
+    @property
+    def timeout(self) -> float:
+        """Deadline of every blocking call, in seconds (settable)."""
+        return self._c.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._c.timeout = seconds
+
+    def abort(self) -> None:
+        """Abort: every operation in flight and every later one fails with
+        :class:`AbortedError`. Safe from any thread."""
+        self._c.abort()
+
+    def __repr__(self) -> str:
+        return f"<hcomm.Communicator {self.name!r} rank {self.rank} of {self.world_size}>"
+
+    # -- collectives -----------------------------------------------------------------------
+
+    @staticmethod
+    def _finish(engine: Any, result: Any, keep: tuple, finish: Any = None) -> Any:
+        """The result of a blocking call, or the Work of an async one (engine not None)."""
+        if engine is None:
+            return finish() if finish is not None else result
+        return Work(engine, result, keep, finish)
+
+    def _all_reduce(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
+        _check_tensor("all_reduce", "tensor", tensor)
+        if out is not None:
+            out = _check_out("all_reduce", out, tensor, _shape(tensor))
+            return self._finish(self._c.all_reduce(tensor, out, op, a), out, (tensor, out))
+        return self._finish(self._c.all_reduce(None, tensor, op, a), tensor, (tensor,))
+
+    def all_reduce(self, tensor: Any, op: str = "sum", out: Any = None) -> Any:
+        """Reduce `tensor` over all ranks with `op` (sum, prod, min, max, mean).
+
+        In place: the result replaces `tensor`'s contents and `tensor` is returned; with `out`
+        (same shape and dtype) the result goes there and `tensor` is left unchanged."""
+        return self._all_reduce(tensor, op, out, False)
+
+    def all_reduce_async(self, tensor: Any, op: str = "sum", out: Any = None) -> Work:
+        """:meth:`all_reduce` in the background; ``wait()`` returns the result."""
+        return self._all_reduce(tensor, op, out, True)
+
+    def _all_gather(self, tensor: Any, dim: int, out: Any, a: bool) -> Any:
+        op = "all_gather"
+        _check_tensor(op, "tensor", tensor)
+        shape = list(_shape(tensor))
+        d = _dim(op, dim, len(shape))
+        w = self.world_size
+        res_shape = shape[:d] + [shape[d] * w] + shape[d + 1 :]
+        if d == 0:
+            out = _check_out(op, out, tensor, res_shape)
+            return self._finish(self._c.all_gather(tensor, out, None, a), out, (tensor, out))
+        if out is not None:
+            _check_out(op, out, tensor, res_shape)
+        parts = _empty(tensor, [w] + shape)
+        engine = self._c.all_gather(tensor, parts, None, a)
+        return self._finish(engine, None, (tensor, parts), lambda: _concat(parts, d, out))
+
+    def all_gather(self, tensor: Any, dim: int = -1, out: Any = None) -> Any:
+        """Every rank's `tensor`, concatenated in rank order along `dim`: (1024, 256) becomes
+        (1024, 256 * world_size) with the default ``dim=-1``. Returns a new tensor (or `out`);
+        `tensor` is unchanged. Along dim 0 the ranks' data land in the result directly; along
+        another dim they are gathered, then concatenated (one local copy)."""
+        return self._all_gather(tensor, dim, out, False)
+
+    def all_gather_async(self, tensor: Any, dim: int = -1, out: Any = None) -> Work:
+        """:meth:`all_gather` in the background; ``wait()`` returns the result."""
+        return self._all_gather(tensor, dim, out, True)
+
+    def _reduce_scatter(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
+        name = "reduce_scatter"
+        _check_tensor(name, "tensor", tensor)
+        shape = list(_shape(tensor))
+        _dim(name, 0, len(shape))
+        w = self.world_size
+        if shape[0] % w:
+            raise ValueError(
+                f"{name}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares"
+            )
+        out = _check_out(name, out, tensor, [shape[0] // w] + shape[1:])
+        return self._finish(self._c.reduce_scatter(tensor, out, op, None, a), out, (tensor, out))
+
+    def reduce_scatter(self, tensor: Any, op: str = "sum", out: Any = None) -> Any:
+        """Reduce `tensor` over all ranks and give each rank its share along dim 0: rank r
+        gets rows ``[r * n, (r + 1) * n)`` of the reduction, ``n = tensor.shape[0] //
+        world_size`` (which must divide). Returns a new tensor (or `out`); `tensor` is
+        unchanged."""
+        return self._reduce_scatter(tensor, op, out, False)
+
+    def reduce_scatter_async(self, tensor: Any, op: str = "sum", out: Any = None) -> Work:
+        """:meth:`reduce_scatter` in the background; ``wait()`` returns the result."""
+        return self._reduce_scatter(tensor, op, out, True)
+
+    def broadcast(self, tensor: Any, root_rank: int = 0) -> Any:
+        """Copy `root_rank`'s `tensor` into every rank's `tensor` (in place; same shape
+        everywhere). Returns `tensor`."""
+        _check_tensor("broadcast", "tensor", tensor)
+        self._c.broadcast(tensor, root_rank)
+        return tensor
+
+    def broadcast_async(self, tensor: Any, root_rank: int = 0) -> Work:
+        """:meth:`broadcast` in the background; ``wait()`` returns `tensor`."""
+        _check_tensor("broadcast", "tensor", tensor)
+        return Work(self._c.broadcast(tensor, root_rank, True), tensor, (tensor,))
+
+    def _reduce(self, tensor: Any, op: str, root_rank: int, out: Any, a: bool) -> Any:
+        _check_tensor("reduce", "tensor", tensor)
+        is_root = self.rank == root_rank
+        if out is not None:
+            if is_root:
+                out = _check_out("reduce", out, tensor, _shape(tensor))
+            engine = self._c.reduce(tensor, out if is_root else None, op, root_rank, a)
+            return self._finish(engine, out if is_root else None, (tensor, out))
+        engine = self._c.reduce(None, tensor, op, root_rank, a)
+        return self._finish(engine, tensor if is_root else None, (tensor,))
+
+    def reduce(self, tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Any:
+        """Reduce `tensor` over all ranks onto `root_rank`. On the root the result replaces
+        `tensor` (in place) or goes to `out`, and is returned; other ranks' tensors are
+        unchanged and they get None."""
+        return self._reduce(tensor, op, root_rank, out, False)
+
+    def reduce_async(self, tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Work:
+        """:meth:`reduce` in the background; ``wait()`` returns the result (None off the root)."""
+        return self._reduce(tensor, op, root_rank, out, True)
+
+    def _gather(self, tensor: Any, root_rank: int, dim: int, out: Any, a: bool) -> Any:
+        op = "gather"
+        _check_tensor(op, "tensor", tensor)
+        shape = list(_shape(tensor))
+        d = _dim(op, dim, len(shape))
+        w = self.world_size
+        res_shape = shape[:d] + [shape[d] * w] + shape[d + 1 :]
+        if self.rank != root_rank:
+            return self._finish(self._c.gather(tensor, None, root_rank, None, a), None, (tensor,))
+        if d == 0:
+            out = _check_out(op, out, tensor, res_shape)
+            return self._finish(self._c.gather(tensor, out, root_rank, None, a), out, (tensor, out))
+        if out is not None:
+            _check_out(op, out, tensor, res_shape)
+        parts = _empty(tensor, [w] + shape)
+        engine = self._c.gather(tensor, parts, root_rank, None, a)
+        return self._finish(engine, None, (tensor, parts), lambda: _concat(parts, d, out))
+
+    def gather(self, tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Any:
+        """Every rank's `tensor` (same shape everywhere), concatenated in rank order along
+        `dim` on `root_rank`, which gets the result (new, or `out`); other ranks get None."""
+        return self._gather(tensor, root_rank, dim, out, False)
+
+    def gather_async(self, tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Work:
+        """:meth:`gather` in the background; ``wait()`` returns the result (None off the root)."""
+        return self._gather(tensor, root_rank, dim, out, True)
+
+    def _scatter(self, tensor: Any, root_rank: int, out: Any, a: bool) -> Any:
+        op = "scatter"
+        is_root = self.rank == root_rank
+        if tensor is None:
+            if is_root or out is None:
+                raise ValueError(
+                    f"{op}: {'the root needs the tensor to scatter' if is_root else 'give the tensor (for its shape) or out'}"
+                )
+            _check_tensor(op, "out", out)
+            return self._finish(self._c.scatter(None, out, root_rank, None, a), out, (out,))
+        _check_tensor(op, "tensor", tensor)
+        shape = list(_shape(tensor))
+        _dim(op, 0, len(shape))
+        w = self.world_size
+        if shape[0] % w:
+            raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares")
+        out = _check_out(op, out, tensor, [shape[0] // w] + shape[1:])
+        engine = self._c.scatter(tensor if is_root else None, out, root_rank, None, a)
+        return self._finish(engine, out, (tensor, out))
+
+    def scatter(self, tensor: Any, root_rank: int = 0, out: Any = None) -> Any:
+        """Split `root_rank`'s `tensor` along dim 0 into world_size equal shares; rank r gets
+        share r (new, or `out`). Other ranks pass a tensor of the same shape (its contents are
+        not used), or None with `out`."""
+        return self._scatter(tensor, root_rank, out, False)
+
+    def scatter_async(self, tensor: Any, root_rank: int = 0, out: Any = None) -> Work:
+        """:meth:`scatter` in the background; ``wait()`` returns this rank's share."""
+        return self._scatter(tensor, root_rank, out, True)
+
+    def _all_to_all(self, tensor: Any, out: Any, send_counts: Any, recv_counts: Any, a: bool) -> Any:
+        op = "all_to_all"
+        _check_tensor(op, "tensor", tensor)
+        shape = list(_shape(tensor))
+        _dim(op, 0, len(shape))
+        w = self.world_size
+        row = _elements(tensor) // shape[0] if shape[0] else 1
+        if send_counts is None and recv_counts is None:
+            if shape[0] % w:
+                raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal blocks")
+            out = _check_out(op, out, tensor, shape)
+            return self._finish(self._c.all_to_all(tensor, out, None, None, a), out, (tensor, out))
+        if send_counts is None or recv_counts is None:
+            raise ValueError(f"{op}: give both send_counts and recv_counts, or neither")
+        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        if sum(send_counts) != shape[0]:
+            raise ValueError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
+        out = _check_out(op, out, tensor, [sum(recv_counts)] + shape[1:])
+        engine = self._c.all_to_all(tensor, out, [c * row for c in send_counts], [c * row for c in recv_counts], a)
+        return self._finish(engine, out, (tensor, out))
+
+    def all_to_all(
+        self,
+        tensor: Any,
+        out: Any = None,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+    ) -> Any:
+        """Exchange blocks of rows: block p of `tensor` (along dim 0) goes to rank p, and block
+        p of the result comes from rank p. Equal blocks by default (dim 0 must divide by
+        world_size); `send_counts` / `recv_counts` give rows per rank instead (what each rank
+        sends must match what its peer expects). Returns a new tensor (or `out`)."""
+        return self._all_to_all(tensor, out, send_counts, recv_counts, False)
+
+    def all_to_all_async(
+        self,
+        tensor: Any,
+        out: Any = None,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+    ) -> Work:
+        """:meth:`all_to_all` in the background; ``wait()`` returns the result."""
+        return self._all_to_all(tensor, out, send_counts, recv_counts, True)
+
+    def barrier(self) -> None:
+        """Block until every rank has called barrier."""
+        self._c.barrier()
+
+    def barrier_async(self) -> Work:
+        """:meth:`barrier` in the background; ``wait()`` returns None once every rank is in."""
+        return Work(self._c.barrier(True))
+
+    # -- fusion ----------------------------------------------------------------------------
+
+    def fusion(
+        self,
+        op: str = "sum",
+        cap_bytes: int = 25 << 20,
+        first_bucket_bytes: int = 1 << 20,
+        direct_bytes: int = 1 << 20,
+    ) -> "Fusion":
+        """A :class:`Fusion` (bucketed all-reduce of many tensors) on this communicator."""
+        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes)
+
+    def all_reduce_coalesced(self, tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
+        """All-reduce every tensor of `tensors` (in place, any sizes and dtypes) in fused
+        buckets of up to `cap_bytes`: the results are those of one all_reduce per tensor, with
+        a few collectives instead of one per tensor. Returns the tensors."""
+        tensors = list(tensors)
+        f = Fusion(self, op, cap_bytes, cap_bytes, max(cap_bytes, 1 << 20))
+        for t in tensors:
+            f.push(t)
+        f.finish()
+        return tensors
+
+    # -- point-to-point and synchronisation ------------------------------------------------
+
+    def send(self, tensor: Any, dst_rank: int, tag: int = 0) -> None:
+        """Send `tensor` to `dst_rank` under `tag` (messages match by (rank, tag))."""
+        _check_tensor("send", "tensor", tensor)
+        self._c.send(dst_rank, tag, tensor)
+
+    def recv(self, tensor: Any, src_rank: int, tag: int = 0) -> Any:
+        """Receive the message `src_rank` sent with `tag` into `tensor` (in place; sizes must
+        match) and return `tensor`."""
+        _check_tensor("recv", "tensor", tensor)
+        self._c.recv(src_rank, tag, tensor)
+        return tensor
+
+    def send_async(self, tensor: Any, dst_rank: int, tag: int = 0) -> Work:
+        """:meth:`send` in the background."""
+        _check_tensor("send", "tensor", tensor)
+        return Work(self._c.send(dst_rank, tag, tensor, True), None, (tensor,))
+
+    def recv_async(self, tensor: Any, src_rank: int, tag: int = 0) -> Work:
+        """:meth:`recv` in the background; ``wait()`` returns `tensor`."""
+        _check_tensor("recv", "tensor", tensor)
+        return Work(self._c.recv(src_rank, tag, tensor, True), tensor, (tensor,))
+
+    def send_recv(self, send: Any, dst_rank: int, recv: Any, src_rank: int, tag: int = 0) -> Any:
+        """Send `send` to `dst_rank` and receive into `recv` from `src_rank` at the same time
+        (no deadlock when two ranks exchange). Returns `recv`."""
+        _check_tensor("send_recv", "send", send)
+        _check_tensor("send_recv", "recv", recv)
+        self._c.send_recv(dst_rank, send, src_rank, recv, tag)
+        return recv
+
+    def create_connection(self, dst_rank: int, tag: int = 0) -> Connection:
+        """Open a connection to `dst_rank` under `tag` (both ranks call it)."""
+        return Connection(self._c.connect(dst_rank, tag))
+
+    def signal(self, dst_rank: int, tag: int = 0) -> None:
+        """Post a signal to `dst_rank` (does not wait). Signals are counted: each
+        :meth:`wait` consumes one."""
+        self._c.signal(dst_rank, tag)
+
+    def wait(self, src_rank: int, tag: int = 0) -> None:
+        """Wait for a signal from `src_rank` with `tag`."""
+        self._c.wait_signal(src_rank, tag)
+
+    def wait_async(self, src_rank: int, tag: int = 0) -> Work:
+        """:meth:`wait` in the background: the Work completes when the signal has come."""
+        return Work(self._c.wait_signal(src_rank, tag, True))
+
+    # -- shared memory ---------------------------------------------------------------------
+
+    def allocate_shared_memory(self, size: int, flags: str = "read_write") -> SharedMemory:
+        """Allocate `size` bytes of shared memory and publish it for the ranks of this host.
+        Per rank, not collective."""
+        if flags not in ("read_write", "read_only"):
+            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+        if int(size) < 0:
+            raise ValueError(f"size must be non-negative, got {size}")
+        return SharedMemory(self._c.alloc_shared(int(size)), flags)
+
+    def get_shared_memory(self, src_rank: int, flags: str = "read_write") -> SharedMemory:
+        """Map the shared memory `src_rank` allocated (waiting for it up to the timeout)."""
+        if flags not in ("read_write", "read_only"):
+            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+        return SharedMemory(self._c.get_shared(src_rank), flags)
+
+    # -- groups ----------------------------------------------------------------------------
+
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """Split into sub-communicators (collective): ranks with the same `color` form one,
+        ordered by (key, rank); color=None leaves this rank out (returns None)."""
+        c = self._c.split(color, key)
+        return None if c is None else Communicator(c, f"{self.name}/split{color}")
+
+    def new_group(self, ranks: Sequence[int]) -> "Communicator":
+        """A communicator of `ranks` (in that order). Only they call it, with the same list."""
+        return Communicator(self._c.new_group(list(ranks)), f"{self.name}/group{list(ranks)}")
+
+
+
+class Fusion:
+    """Gradient fusion: many tensors all-reduced in a few large buckets, started while the
+    caller is still producing tensors (e.g. during the backward pass).
+
+    Push tensors (numpy arrays or CPU torch tensors, any dtypes) as they become ready; each
+    bucket's all-reduce starts as soon as it is full, in the background. :meth:`finish` waits
+    for every bucket and leaves the results in the tensors, as if each had been all-reduced
+    alone. Every rank must push the same tensors (sizes, dtypes) in the same order. Do not
+    touch a pushed tensor before :meth:`finish` returns.
+
+    Buckets hold one dtype and up to `cap_bytes` (the first one closed `first_bucket_bytes`,
+    so communication starts early); tensors of at least `direct_bytes` are reduced in place
+    without packing. ::
+
+        fusion = comm.fusion(op="mean")
+        with fusion.step() as bucket:          # or: fusion.push(...) ... fusion.finish()
+            for g in grads_as_they_become_ready:
+                bucket.push(g)
+        # every g now holds the mean over the ranks
+    """
+
+    def __init__(self, comm: "Communicator", op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> None:
+        self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes))
+        #: Buckets of the last finished step.
+        self.last_step_buckets = 0
+
+    def push(self, tensor: Any) -> None:
+        """Add a ready tensor; launches a bucket if this fills one."""
+        _check_tensor("fusion", "tensor", tensor)
+        self._f.push(tensor)
+
+    def flush(self) -> None:
+        """Launch every partly filled bucket now."""
+        self._f.flush()
+
+    @property
+    def buckets_launched(self) -> int:
+        """Buckets launched in the current step."""
+        return self._f.buckets_launched
+
+    def finish(self) -> int:
+        """Wait for every bucket of the step, unpack the results into the tensors, start a new
+        step; returns the step's number of buckets."""
+        self.last_step_buckets = self._f.finish()
+        return self.last_step_buckets
+
+    def step(self) -> "_FusionStep":
+        """A context manager for one step: ``with fusion.step() as b: b.push(t)``; leaving it
+        calls :meth:`finish` (also on an exception, so no bucket is left in flight)."""
+        return _FusionStep(self)
+
+    def __repr__(self) -> str:
+        return repr(self._f).replace("hcomm._hcomm.", "hcomm.")
+
+
+class _FusionStep:
+    def __init__(self, fusion: Fusion) -> None:
+        self._fusion = fusion
+
+    def __enter__(self) -> Fusion:
+        return self._fusion
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self._fusion.finish()
+        else:
+            try:
+                self._fusion.finish()
+            except HcommError:
+                pass  # the exception already raising says more
+
+
+# ----------------------------------------------------------------------------------------------
+# the default communicator and the HCCL names
+
+_default: Optional[Communicator] = None
+_default_lock = threading.Lock()
+
+
+def _get() -> Communicator:
+    c = _default
+    if c is None:
+        raise HcommError("hcomm is not initialised: call hcomm.InitHcom() first")
+    return c
+
+
+def InitHcom(name: str = "hccl_world_group", config_path: "Optional[str | os.PathLike[str]]" = None, rank: Optional[int] = None) -> Communicator:
+    """Join the job and make the default communicator the HCCL-named functions use.
+
+    With `config_path`, the job is the rank table (JSON) at that path and this process's rank
+    is `rank` or the first of ``HCOMM_RANK``, ``RANK``, ... that is set; otherwise the
+    environment describes it (``hcomm run``, torchrun, mpirun, srun, ``HCOMM_*``). Returns the
+    communicator. Raises :class:`HcommError` if already initialised."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            raise HcommError(
+                f"InitHcom: already initialised (group {_default.name!r}); call DestroyHcom() first"
+            )
+        if config_path is not None:
+            _default = Communicator.from_rank_table(config_path, rank, name)
+        else:
+            _default = Communicator.from_env(name)
+        return _default
+
+
+def DestroyHcom() -> None:
+    """Leave the job: drop the default communicator (InitHcom can be called again)."""
+    global _default
+    with _default_lock:
+        _default = None
+
+
+def GetCommunicator() -> Communicator:
+    """The default communicator (after InitHcom)."""
+    return _get()
+
+
+def GetRank() -> int:
+    """This process's rank in the default communicator."""
+    return _get().rank
+
+
+def GetWorldSize() -> int:
+    """Number of ranks of the default communicator."""
+    return _get().world_size
+
+
+def GetLocalRank() -> int:
+    """This process's index among the ranks of its host."""
+    return _get().local_rank
+
+
+def AllReduce(tensor: Any, op: str = "sum", out: Any = None) -> Any:
+    """All-reduce in place (or into `out`); see :meth:`Communicator.all_reduce`."""
+    return _get().all_reduce(tensor, op, out)
+
+
+def AllGather(tensor: Any, dim: int = -1, out: Any = None) -> Any:
+    """All-gather along `dim`; see :meth:`Communicator.all_gather`."""
+    return _get().all_gather(tensor, dim, out)
+
+
+def ReduceScatter(tensor: Any, op: str = "sum", out: Any = None) -> Any:
+    """Reduce-scatter along dim 0; see :meth:`Communicator.reduce_scatter`."""
+    return _get().reduce_scatter(tensor, op, out)
+
+
+def Broadcast(tensor: Any, root_rank: int = 0) -> Any:
+    """Broadcast in place; see :meth:`Communicator.broadcast`."""
+    return _get().broadcast(tensor, root_rank)
+
+
+def Reduce(tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Any:
+    """Reduce onto `root_rank`; see :meth:`Communicator.reduce`."""
+    return _get().reduce(tensor, op, root_rank, out)
+
+
+def Gather(tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Any:
+    """Gather onto `root_rank`; see :meth:`Communicator.gather`."""
+    return _get().gather(tensor, root_rank, dim, out)
+
+
+def Scatter(tensor: Any, root_rank: int = 0, out: Any = None) -> Any:
+    """Scatter from `root_rank`; see :meth:`Communicator.scatter`."""
+    return _get().scatter(tensor, root_rank, out)
+
+
+def AllToAll(tensor: Any, out: Any = None, send_counts: Optional[Sequence[int]] = None, recv_counts: Optional[Sequence[int]] = None) -> Any:
+    """All-to-all along dim 0; see :meth:`Communicator.all_to_all`."""
+    return _get().all_to_all(tensor, out, send_counts, recv_counts)
+
+
+def Barrier() -> None:
+    """Block until every rank has called Barrier."""
+    _get().barrier()
+
+
+def AllReduceAsync(tensor: Any, op: str = "sum", out: Any = None) -> Work:
+    """:func:`AllReduce` in the background; returns a :class:`Work` (``wait()`` gives the
+    result)."""
+    return _get().all_reduce_async(tensor, op, out)
+
+
+def AllGatherAsync(tensor: Any, dim: int = -1, out: Any = None) -> Work:
+    """:func:`AllGather` in the background."""
+    return _get().all_gather_async(tensor, dim, out)
+
+
+def ReduceScatterAsync(tensor: Any, op: str = "sum", out: Any = None) -> Work:
+    """:func:`ReduceScatter` in the background."""
+    return _get().reduce_scatter_async(tensor, op, out)
+
+
+def BroadcastAsync(tensor: Any, root_rank: int = 0) -> Work:
+    """:func:`Broadcast` in the background."""
+    return _get().broadcast_async(tensor, root_rank)
+
+
+def ReduceAsync(tensor: Any, op: str = "sum", root_rank: int = 0, out: Any = None) -> Work:
+    """:func:`Reduce` in the background."""
+    return _get().reduce_async(tensor, op, root_rank, out)
+
+
+def GatherAsync(tensor: Any, root_rank: int = 0, dim: int = 0, out: Any = None) -> Work:
+    """:func:`Gather` in the background."""
+    return _get().gather_async(tensor, root_rank, dim, out)
+
+
+def ScatterAsync(tensor: Any, root_rank: int = 0, out: Any = None) -> Work:
+    """:func:`Scatter` in the background."""
+    return _get().scatter_async(tensor, root_rank, out)
+
+
+def AllToAllAsync(tensor: Any, out: Any = None, send_counts: Optional[Sequence[int]] = None, recv_counts: Optional[Sequence[int]] = None) -> Work:
+    """:func:`AllToAll` in the background."""
+    return _get().all_to_all_async(tensor, out, send_counts, recv_counts)
+
+
+def BarrierAsync() -> Work:
+    """:func:`Barrier` in the background."""
+    return _get().barrier_async()
+
+
+def AllReduceCoalesced(tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
+    """All-reduce many tensors in place in fused buckets; see
+    :meth:`Communicator.all_reduce_coalesced`."""
+    return _get().all_reduce_coalesced(tensors, op, cap_bytes)
+
+
+def CreateFusion(op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> Fusion:
+    """A :class:`Fusion` on the default communicator."""
+    return _get().fusion(op, cap_bytes, first_bucket_bytes, direct_bytes)
+
+
+def CreateConnection(dst_rank: int, tag: int = 0) -> Connection:
+    """Open a connection to `dst_rank` under `tag` (both ranks call it)."""
+    return _get().create_connection(dst_rank, tag)
+
+
+def DestroyConnection(conn: Connection) -> None:
+    """Close a connection."""
+    conn.close()
+
+
+def SendAsync(tensor: Any, dst_rank: int, tag: int = 0) -> Work:
+    """Send `tensor` to `dst_rank` under `tag` in the background."""
+    return _get().send_async(tensor, dst_rank, tag)
+
+
+def RecvAsync(tensor: Any, src_rank: int, tag: int = 0) -> Work:
+    """Receive into `tensor` from `src_rank` under `tag` in the background."""
+    return _get().recv_async(tensor, src_rank, tag)
+
+
+def Send(tensor: Any, conn: "Connection | int", tag: int = 0) -> None:
+    """Send `tensor` on connection `conn` (or to rank `conn` under `tag`)."""
+    if isinstance(conn, Connection):
+        conn.send(tensor)
+    else:
+        _get().send(tensor, conn, tag)
+
+
+def Recv(tensor: Any, conn: "Connection | int", tag: int = 0) -> Any:
+    """Receive into `tensor` (in place) from connection `conn` (or from rank `conn` under
+    `tag`); returns `tensor`."""
+    if isinstance(conn, Connection):
+        return conn.recv(tensor)
+    return _get().recv(tensor, conn, tag)
+
+
+def Signal(dst_rank: int, tag: int = 0) -> None:
+    """Post a signal to `dst_rank` (does not wait)."""
+    _get().signal(dst_rank, tag)
+
+
+def Wait(handle: Any = None, *, src_rank: Optional[int] = None, tag: int = 0, timeout: Optional[float] = None) -> Any:
+    """``Wait(handle)``: wait for an async operation and return its result.
+    ``Wait(src_rank=r, tag=t)``: wait for a signal from rank r with tag t."""
+    if isinstance(handle, Work):
+        return handle.wait(timeout)
+    if handle is not None and hasattr(handle, "wait") and not isinstance(handle, int):
+        return handle.wait()
+    if src_rank is None:
+        if isinstance(handle, int):
+            src_rank = handle
+        else:
+            raise TypeError("Wait: give a handle (Wait(work)) or a signal source (Wait(src_rank=..., tag=...))")
+    _get().wait(src_rank, tag)
+    return None
+
+
+def AllocateSharedMemory(size: int, flags: str = "read_write") -> SharedMemory:
+    """Allocate `size` bytes of shared memory for the ranks of this host (per rank)."""
+    return _get().allocate_shared_memory(size, flags)
+
+
+def GetSharedMemory(src_rank: int, flags: str = "read_write") -> SharedMemory:
+    """Map the shared memory `src_rank` allocated."""
+    return _get().get_shared_memory(src_rank, flags)
+
+
+def FreeSharedMemory(shm: SharedMemory) -> None:
+    """Unmap (for the owner: free) shared memory. Its views must be deleted first."""
+    shm.free()
+
+
+# snake_case twins
+init_hcom = InitHcom
+destroy_hcom = DestroyHcom
+get_communicator = GetCommunicator
+get_rank = GetRank
+get_world_size = GetWorldSize
+get_local_rank = GetLocalRank
+all_reduce = AllReduce
+all_gather = AllGather
+reduce_scatter = ReduceScatter
+broadcast = Broadcast
+reduce = Reduce
+gather = Gather
+scatter = Scatter
+all_to_all = AllToAll
+barrier = Barrier
+all_reduce_async = AllReduceAsync
+all_gather_async = AllGatherAsync
+reduce_scatter_async = ReduceScatterAsync
+broadcast_async = BroadcastAsync
+reduce_async = ReduceAsync
+gather_async = GatherAsync
+scatter_async = ScatterAsync
+all_to_all_async = AllToAllAsync
+barrier_async = BarrierAsync
+all_reduce_coalesced = AllReduceCoalesced
+create_fusion = CreateFusion
+create_connection = CreateConnection
+destroy_connection = DestroyConnection
+send = Send
+send_async = SendAsync
+recv_async = RecvAsync
+recv = Recv
+signal = Signal
+wait = Wait
+allocate_shared_memory = AllocateSharedMemory
+get_shared_memory = GetSharedMemory
+free_shared_memory = FreeSharedMemory
