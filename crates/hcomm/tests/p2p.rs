@@ -324,7 +324,13 @@ fn a_closed_peer_is_reported_by_name() {
         assert!(
             matches!(&e, Error::PeerClosed { peer: 2, .. })
                 || matches!(&e, Error::Timeout { peers, .. } if peers.contains(&2))
-                || matches!(&e, Error::Remote { culprit: Some(2), .. }),
+                || matches!(
+                    &e,
+                    Error::Remote {
+                        culprit: Some(2),
+                        ..
+                    }
+                ),
             "{e}"
         );
     }
@@ -553,4 +559,118 @@ fn abort_and_poisoning_reach_the_hierarchical_path() {
     for r in res {
         assert!(matches!(r.unwrap(), Error::Aborted { .. }));
     }
+}
+
+#[test]
+fn every_kind_of_collective_mismatch_is_reported_with_both_calls() {
+    use hcomm::config::TransportKind;
+    use hcomm::testing::{free_port, local_config};
+    type Call = fn(&hcomm::Communicator) -> hcomm::Result<()>;
+    let ar_sum: Call = |c| c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Sum);
+    let cases: Vec<(&str, Call, Call, [&str; 2])> = vec![
+        (
+            "collective",
+            ar_sum,
+            |c| c.all_gather(&[1f32; 4], &mut [0f32; 8]),
+            ["all_reduce", "all_gather"],
+        ),
+        (
+            "dtype",
+            ar_sum,
+            |c| c.all_reduce_in_place(&mut [1i32; 8], ReduceOp::Sum),
+            ["dtype=float", "dtype=int32"],
+        ),
+        (
+            "count",
+            ar_sum,
+            |c| c.all_reduce_in_place(&mut [1f32; 9], ReduceOp::Sum),
+            ["count=8", "count=9"],
+        ),
+        (
+            "reduce op",
+            ar_sum,
+            |c| c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Max),
+            ["op=sum", "op=max"],
+        ),
+        (
+            // With 2 ranks each "root" only sends, so the call itself can succeed on both;
+            // the peer's frame, left over, fails the next collective and names it.
+            "root",
+            |c| {
+                c.broadcast(&mut [1f32; 8], 0)?;
+                c.barrier()
+            },
+            |c| {
+                c.broadcast(&mut [1f32; 8], 1)?;
+                c.barrier()
+            },
+            ["broadcast", "root="],
+        ),
+        // Order: the two ranks' first calls differ.
+        (
+            "order",
+            |c| {
+                c.barrier()?;
+                c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Sum)
+            },
+            |c| {
+                c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Sum)?;
+                c.barrier()
+            },
+            ["barrier", "all_reduce"],
+        ),
+        // A missing call: rank 1 skips the broadcast.
+        (
+            "missing call",
+            |c| {
+                c.broadcast(&mut [1f32; 8], 0)?;
+                c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Sum)
+            },
+            ar_sum,
+            ["all_reduce", "at seq 0"],
+        ),
+    ];
+    let mut reported = 0;
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for (kind, call0, call1, want) in &cases {
+            let port = free_port();
+            let errs: Vec<Error> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2)
+                    .map(|r| {
+                        s.spawn(move || {
+                            let cfg = hcomm::BootstrapConfig {
+                                transport,
+                                ..local_config(r, 2, port, Duration::from_secs(10))
+                            };
+                            let c = hcomm::Communicator::from_config(&cfg).unwrap();
+                            let e = if r == 0 { call0(&c) } else { call1(&c) };
+                            e.expect_err(&format!("{transport:?} {kind}: a mismatch must fail"))
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, e) in errs.iter().enumerate() {
+                let msg = e.to_string();
+                match e {
+                    // The rank that noticed names both calls ...
+                    Error::Mismatch { peer, .. } => {
+                        assert_eq!(*peer, 1 - r, "{transport:?} {kind}: {msg}");
+                        assert!(
+                            want.iter().all(|w| msg.contains(w)),
+                            "{transport:?} {kind}: rank {r}: want {want:?} in: {msg}"
+                        );
+                        reported += 1;
+                    }
+                    // ... and the other one may be told by it first.
+                    Error::Remote { culprit, .. } => {
+                        assert_eq!(*culprit, Some(r), "{transport:?} {kind}: {msg}");
+                        assert!(msg.contains("different collective"), "{msg}");
+                    }
+                    other => panic!("{transport:?} {kind}: rank {r}: {other}"),
+                }
+            }
+        }
+    }
+    assert!(reported >= 14, "{reported}");
 }
