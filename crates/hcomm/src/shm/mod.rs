@@ -376,7 +376,10 @@ impl ShmGroup {
                     && self.pidns != 0;
                 if same_ns && pid != 0 && pid != std::process::id() {
                     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                        if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
+                        // Gone, or a zombie its parent (a launcher) has not reaped yet.
+                        if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+                            || is_zombie(pid.as_raw_pid())
+                        {
                             return Err(Error::PeerClosed {
                                 ctx: w.ctx.clone(),
                                 peer: p,
@@ -883,5 +886,33 @@ impl ShmGroup {
                 return Ok(());
             }
         }
+    }
+}
+
+/// True if process `pid` has exited but was not reaped (state `Z` in `/proc/PID/stat`).
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            // "pid (comm) S ...": the state follows the last ')' (comm may contain ')').
+            st.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+        })
+        == Some('Z')
+}
+
+#[cfg(test)]
+mod zombie_tests {
+    #[test]
+    fn an_unreaped_child_is_a_zombie_and_a_live_process_is_not() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let start = std::time::Instant::now();
+        while !super::is_zombie(pid) && start.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(super::is_zombie(pid));
+        child.wait().unwrap();
+        assert!(!super::is_zombie(std::process::id() as i32));
     }
 }
