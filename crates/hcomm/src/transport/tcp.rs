@@ -579,9 +579,8 @@ fn accept_loop(
             let spawned = std::thread::Builder::new()
                 .name("hcomm-link-auth".into())
                 .spawn(move || {
-                    let r = authenticate(sock, &me);
+                    let r = authenticate(sock, &me, &counters);
                     drop(slot);
-                    counters.record(&r);
                     match r {
                         Ok((peer, sock)) => {
                             if tx.send((peer, sock)).is_ok() {
@@ -601,9 +600,14 @@ fn accept_loop(
 /// The accepting side's handshake on a new connection: the peer must be another rank of this
 /// communicator (and prove the token, if there is one). Returns its rank and the socket, ready
 /// for the progress loop.
-fn authenticate(sock: Socket, me: &Identity) -> Result<(usize, Socket), HandshakeError> {
+/// Authenticate an accepted connection; the outcome is counted before the socket can close,
+/// so a rejected peer sees the close only after it was counted.
+fn authenticate(
+    sock: Socket,
+    me: &Identity,
+    counters: &Counters,
+) -> Result<(usize, Socket), HandshakeError> {
     let io = |e: io::Error| HandshakeError::Io(e.to_string());
-    sock.set_nonblocking(false).map_err(io)?;
     let _ = sock.set_nodelay(true);
     let mut stream = TcpStream::from(sock);
     let deadline = Instant::now() + PRE_AUTH_DEADLINE;
@@ -622,17 +626,22 @@ fn authenticate(sock: Socket, me: &Identity) -> Result<(usize, Socket), Handshak
         }
         Ok(())
     };
-    let hello = auth::accept(
-        &mut stream,
-        me.token.as_ref(),
-        me.local(Role::LinkAcceptor),
-        check,
-        deadline,
-    )?;
-    stream.set_read_timeout(None).map_err(io)?;
-    stream.set_write_timeout(None).map_err(io)?;
-    stream.set_nonblocking(true).map_err(io)?;
-    Ok((hello.rank as usize, Socket::from(stream)))
+    let r = (|| {
+        stream.set_nonblocking(false).map_err(io)?;
+        let hello = auth::accept(
+            &mut stream,
+            me.token.as_ref(),
+            me.local(Role::LinkAcceptor),
+            check,
+            deadline,
+        )?;
+        stream.set_read_timeout(None).map_err(io)?;
+        stream.set_write_timeout(None).map_err(io)?;
+        stream.set_nonblocking(true).map_err(io)?;
+        Ok(hello.rank as usize)
+    })();
+    counters.record(&r);
+    Ok((r?, Socket::from(stream)))
 }
 
 /// The TCP links of one communicator.
