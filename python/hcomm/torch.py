@@ -27,12 +27,14 @@ and return a completed Work. Non-contiguous tensors go through a contiguous copy
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue
 import secrets
 import socket
 import threading
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -157,6 +159,20 @@ class _AsyncWork(dist._Work):
         return fut
 
 
+_WAITERS: "weakref.WeakSet[_Waiter]" = weakref.WeakSet()
+
+
+def _stop_waiters() -> None:
+    """Stop every waiter thread before the interpreter shuts down: a daemon thread frozen in
+    the middle of completing a torch future (C++ code) aborts the process at exit ("terminate
+    called without an active exception")."""
+    for w in list(_WAITERS):
+        w.stop()
+
+
+atexit.register(_stop_waiters)
+
+
 class _Waiter:
     """One thread per process group that completes the futures of async Works in issue order
     (hcomm runs them in that order)."""
@@ -165,6 +181,15 @@ class _Waiter:
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        _WAITERS.add(self)
+
+    def stop(self) -> None:
+        """Finish the queued futures, then end the thread (waits for it)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._q.put(None)
+            thread.join(timeout=60)
 
     def put(self, work: _AsyncWork, fut: torch.futures.Future) -> None:
         with self._lock:
@@ -175,7 +200,10 @@ class _Waiter:
 
     def _run(self) -> None:
         while True:
-            work, fut = self._q.get()
+            item = self._q.get()
+            if item is None:
+                return
+            work, fut = item
             try:
                 work._complete()
             except BaseException as e:  # noqa: BLE001 - handed to the future's owner

@@ -722,6 +722,19 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
             comm.local_world_size()
         ),
     );
+    report.add_finding(
+        Level::Ok,
+        "shm footprint",
+        if comm.has_shared_memory() {
+            format!(
+                "{} KiB of /dev/shm for this communicator's {} local ranks (a segment per communicator; HCOMM_SHM_CHUNK sizes it)",
+                comm.shared_memory_bytes() >> 10,
+                comm.local_world_size()
+            )
+        } else {
+            "none (ranks on several hosts, or HCOMM_TRANSPORT=tcp)".to_string()
+        },
+    );
     // Rank 0 prints everything it found; other ranks print only their problems.
     if rank == 0 {
         report.print("rank 0: ");
