@@ -65,6 +65,8 @@ impl Cluster {
         ]);
         cmd.args(args)
             .env("HCOMM_TIMEOUT", "5s")
+            // The data network chosen by subnet (interface names may differ between hosts).
+            .env("HCOMM_SOCKET_IFNAME", "10.77.0.0/24")
             .env(
                 "HCOMM_JOB_TOKEN",
                 format!("netns-test-job-token-{}", self.prefix),

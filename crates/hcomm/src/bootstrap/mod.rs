@@ -35,6 +35,9 @@ pub fn select_listen_ip(
     master_addr: &str,
     master_port: u16,
 ) -> Result<IpAddr> {
+    if let Some(subnet) = ifname.filter(|n| n.contains('/')) {
+        return listen_ip_in_subnet(subnet);
+    }
     if let Some(name) = ifname {
         let addrs = nix::ifaddrs::getifaddrs()
             .map_err(|e| Error::Config(format!("cannot list network interfaces: {e}")))?;
@@ -85,6 +88,64 @@ pub fn select_listen_ip(
     .and_then(|s| s.local_addr())
     .map_err(|e| Error::Config(format!("no route to the master {master}: {e}")))?;
     Ok(probe.ip())
+}
+
+/// Parse `ADDR/LEN` (IPv4 or IPv6).
+pub fn parse_subnet(s: &str) -> Result<(IpAddr, u8)> {
+    let bad = |why: &str| {
+        Error::Config(format!(
+            "HCOMM_SOCKET_IFNAME={s}: {why} (expected an interface name or a subnet such as 10.0.0.0/24)"
+        ))
+    };
+    let (addr, len) = s.split_once('/').ok_or_else(|| bad("no '/'"))?;
+    let ip: IpAddr = addr.trim().parse().map_err(|_| bad("not an IP address"))?;
+    let len: u8 = len.trim().parse().map_err(|_| bad("bad prefix length"))?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    if len > max {
+        return Err(bad("prefix length too long"));
+    }
+    Ok((ip, len))
+}
+
+/// True if `ip` lies in `net/len`.
+pub fn in_subnet(ip: IpAddr, net: IpAddr, len: u8) -> bool {
+    let (a, b, bits) = match (ip, net) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => (u32::from(a) as u128, u32::from(b) as u128, 32u32),
+        (IpAddr::V6(a), IpAddr::V6(b)) => (u128::from(a), u128::from(b), 128),
+        _ => return false,
+    };
+    let len = u32::from(len);
+    if len == 0 {
+        return true;
+    }
+    let shift = bits - len;
+    (a >> shift) == (b >> shift)
+}
+
+/// The first local address inside `subnet` (`HCOMM_SOCKET_IFNAME=10.0.0.0/24`): choosing the
+/// network by subnet works on hosts whose interface names differ.
+fn listen_ip_in_subnet(subnet: &str) -> Result<IpAddr> {
+    let (net, len) = parse_subnet(subnet)?;
+    let addrs = nix::ifaddrs::getifaddrs()
+        .map_err(|e| Error::Config(format!("cannot list network interfaces: {e}")))?;
+    let mut seen = Vec::new();
+    for ifa in addrs {
+        let ip = ifa.address.and_then(|a| {
+            a.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        });
+        if let Some(ip) = ip {
+            if in_subnet(ip, net, len) {
+                return Ok(ip);
+            }
+            seen.push(format!("{}={ip}", ifa.interface_name));
+        }
+    }
+    Err(Error::Config(format!(
+        "HCOMM_SOCKET_IFNAME={subnet}: no local address in that subnet (addresses: {})",
+        seen.join(", ")
+    )))
 }
 
 /// Resolve `host:port`, preferring IPv4.
@@ -159,5 +220,36 @@ pub fn exchange_peer_info(
             )));
         }
         Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod subnet_tests {
+    use super::*;
+
+    #[test]
+    fn subnets_parse_match_and_select() {
+        let (net, len) = parse_subnet("10.77.0.0/24").unwrap();
+        assert!(in_subnet("10.77.0.11".parse().unwrap(), net, len));
+        assert!(!in_subnet("10.77.1.11".parse().unwrap(), net, len));
+        assert!(!in_subnet("::1".parse().unwrap(), net, len));
+        let (net6, len6) = parse_subnet("fd00::/8").unwrap();
+        assert!(in_subnet("fd12::1".parse().unwrap(), net6, len6));
+        for bad in ["10.0.0.0/33", "nope/8", "10.0.0.0/x"] {
+            let e = parse_subnet(bad).unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
+        let ip = select_listen_ip(Some("127.0.0.0/8"), None, "127.0.0.1", 1).unwrap();
+        assert!(ip.is_loopback());
+        // A documentation subnet no local address is in (this machine has one in 192.0.2/24).
+        let absent = ["203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"]
+            .into_iter()
+            .find(|n| select_listen_ip(Some(n), None, "127.0.0.1", 1).is_err())
+            .expect("some test subnet is not configured here");
+        let e = select_listen_ip(Some(absent), None, "127.0.0.1", 1).unwrap_err();
+        assert!(
+            e.to_string().contains("no local address in that subnet"),
+            "{e}"
+        );
     }
 }
