@@ -21,6 +21,7 @@ impl fmt::Display for OpContext {
 
 /// Everything that can go wrong in hcomm.
 #[derive(thiserror::Error, Debug, Clone)]
+#[non_exhaustive]
 pub enum Error {
     /// A caller passed something invalid (size, dtype, rank, root, …). Nothing was sent.
     #[error("{ctx}: invalid argument: {msg}")]
