@@ -546,18 +546,10 @@ impl PyComm {
     /// Open a connection to `peer` under `tag` (both ranks call it with each other's rank).
     fn connect(&self, py: Python<'_>, peer: usize, tag: u32) -> PyResult<PyConnection> {
         let c = self.comm.clone();
-        let conn = blocking(py, move || {
-            let conn = c.connect(peer, tag)?;
-            // SAFETY: the connection borrows the communicator behind `c`'s Arc. PyConnection
-            // keeps a clone of that Arc, declared after the connection, so the communicator
-            // (whose address never changes) outlives it.
-            Ok(unsafe {
-                std::mem::transmute::<hcomm::Connection<'_>, hcomm::Connection<'static>>(conn)
-            })
-        })?;
+        // The connection keeps the communicator alive itself (no borrow to extend).
+        let conn = blocking(py, move || c.connect_shared(peer, tag))?;
         Ok(PyConnection {
             conn: Mutex::new(Some(conn)),
-            _comm: self.comm.clone(),
             peer,
             tag,
         })
@@ -603,9 +595,7 @@ impl PyComm {
 /// A connection to one peer under one tag (HCCL's CreateConnection).
 #[pyclass(name = "Connection", module = "hcomm._hcomm", frozen)]
 struct PyConnection {
-    /// Declared before `_comm`: dropped first.
     conn: Mutex<Option<hcomm::Connection<'static>>>,
-    _comm: Arc<Comm>,
     peer: usize,
     tag: u32,
 }

@@ -1309,6 +1309,30 @@ impl Communicator {
     /// call `connect` with each other's rank and the same tag, in any order: the handshake is
     /// sent at once and checked by the first transfer on the connection.
     pub fn connect(&self, peer: usize, tag: u32) -> Result<Connection<'_>> {
+        self.open_connection(peer, tag)?;
+        Ok(Connection {
+            comm: CommRef::Borrowed(self),
+            peer,
+            tag,
+            open: true,
+            confirmed: std::cell::Cell::new(false),
+        })
+    }
+
+    /// [`connect`](Self::connect) for a connection that keeps the communicator alive itself
+    /// (no borrow: it can be stored, e.g. by a language binding).
+    pub fn connect_shared(self: &Arc<Self>, peer: usize, tag: u32) -> Result<Connection<'static>> {
+        self.open_connection(peer, tag)?;
+        Ok(Connection {
+            comm: CommRef::Shared(self.clone()),
+            peer,
+            tag,
+            open: true,
+            confirmed: std::cell::Cell::new(false),
+        })
+    }
+
+    fn open_connection(&self, peer: usize, tag: u32) -> Result<()> {
         self.check_peer("connect", peer)?;
         {
             let inner = self.inner.lock().unwrap();
@@ -1322,13 +1346,7 @@ impl Communicator {
         }
         self.control_send("connect", peer, Kind::Connect, tag)?;
         self.inner.lock().unwrap().open_conns.insert((peer, tag));
-        Ok(Connection {
-            comm: self,
-            peer,
-            tag,
-            open: true,
-            confirmed: std::cell::Cell::new(false),
-        })
+        Ok(())
     }
 
     // ----- sub-communicators -----
@@ -1754,11 +1772,28 @@ struct BuildArgs {
 /// A connection to one peer under one tag (connection-oriented point-to-point, as HCCL's
 /// `CreateConnection`). Closing is announced to the peer.
 pub struct Connection<'c> {
-    comm: &'c Communicator,
+    comm: CommRef<'c>,
     peer: usize,
     tag: u32,
     open: bool,
     confirmed: std::cell::Cell<bool>,
+}
+
+/// How a connection holds its communicator: borrowed ([`Communicator::connect`]) or shared
+/// ([`Communicator::connect_shared`], for owners such as language bindings).
+enum CommRef<'c> {
+    Borrowed(&'c Communicator),
+    Shared(Arc<Communicator>),
+}
+
+impl std::ops::Deref for CommRef<'_> {
+    type Target = Communicator;
+    fn deref(&self) -> &Communicator {
+        match self {
+            CommRef::Borrowed(c) => c,
+            CommRef::Shared(c) => c,
+        }
+    }
 }
 
 impl Connection<'_> {

@@ -674,3 +674,21 @@ fn every_kind_of_collective_mismatch_is_reported_with_both_calls() {
     }
     assert!(reported >= 14, "{reported}");
 }
+
+#[test]
+fn a_shared_connection_keeps_its_communicator_alive() {
+    all_ok(run_threads(2, T, |c| {
+        let c = std::sync::Arc::new(c);
+        let peer = 1 - c.rank();
+        let conn = c.connect_shared(peer, 9)?;
+        drop(c); // the connection holds the communicator now
+        if conn.peer() == 1 {
+            conn.send(&[5u32; 3])?;
+        } else {
+            let mut got = [0u32; 3];
+            conn.recv(&mut got)?;
+            assert_eq!(got, [5; 3]);
+        }
+        conn.close()
+    }));
+}
