@@ -24,7 +24,9 @@ impl Communicator {
     ///
     /// `f` may run several operations on the communicator it is given; they run as one unit.
     /// Every `*_async` method is this with one blocking call inside. A panic in `f` becomes
-    /// [`Error::Panicked`].
+    /// [`Error::Panicked`]. Issued from inside such a unit (by `f` itself, through another
+    /// handle on the same communicator), an asynchronous operation is part of that unit: it
+    /// runs at once and its [`Work`] is already complete.
     ///
     /// ```no_run
     /// # use std::sync::Arc;

@@ -8,6 +8,8 @@
 //! * An asynchronous call takes a ticket at issue time, queues a job and returns a [`Work`]
 //!   at once; one engine thread per communicator (started on first use) runs the jobs in
 //!   ticket order, each when its turn comes.
+//! * An asynchronous call issued by the holder of the current turn (a job issuing more work
+//!   on its own communicator) is part of the operation that holds it: it runs at once.
 //!
 //! Both forms run the same operation code; a blocking call is "take a turn, run, release",
 //! an asynchronous one is the same on the engine thread with [`Work`] carrying the result.
@@ -128,7 +130,15 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Queue `job` to run on the engine thread in its turn (taken now).
+    ///
+    /// Issued by the holder of the current turn (a job, or an operation built from others),
+    /// the job is part of that operation: it runs at once, on this thread. Queued, it would
+    /// wait for the turn its issuer holds, and an issuer waiting for it would never return.
     pub(crate) fn submit(&self, name: &str, job: Job) -> Result<()> {
+        if self.turns.held_here() {
+            job();
+            return Ok(());
+        }
         self.ensure_thread(name)?;
         let mut st = self.queue.state.lock().unwrap_or_else(|p| p.into_inner());
         // The ticket is taken under the queue lock, so the queue is in ticket order.

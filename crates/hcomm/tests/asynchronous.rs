@@ -382,3 +382,40 @@ fn set_algorithm_takes_effect_in_issue_order() {
         Ok(())
     });
 }
+
+/// Run `f` on a thread of its own and fail (instead of hanging the test run) when it does not
+/// finish within `limit`.
+fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("still running after {limit:?}: deadlock"))
+}
+
+#[test]
+fn an_async_operation_issued_inside_a_job_can_be_waited_for() {
+    // A job holds its communicator's turn; an operation it issues asynchronously (through
+    // another handle on the same communicator) is part of it. Queued behind the job instead,
+    // waiting for it would never return.
+    within(Duration::from_secs(60), || {
+        ranks(2, TransportKind::Tcp, T, |c| {
+            let inner = c.clone();
+            let w = c.run_async("outer", move |_| {
+                let v = inner
+                    .all_reduce_async(vec![1u32; 4], ReduceOp::Sum)
+                    .wait()?;
+                let b = inner.barrier_async();
+                Ok((v, b.is_completed()))
+            });
+            let (v, barrier_done) = w.wait()?;
+            assert_eq!(v, vec![2; 4]);
+            assert!(barrier_done);
+            // Later operations still line up on both ranks.
+            assert_eq!(c.all_reduce_async(vec![3u8], ReduceOp::Sum).wait()?, [6]);
+            Ok(())
+        })
+    });
+}
+
