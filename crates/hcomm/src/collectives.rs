@@ -129,6 +129,12 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        // This operation's turn first: the sub-communicators are made (collective splits of
+        // this communicator) inside it, so they happen at the same point of the issue order on
+        // every rank, and the hierarchy lock is only ever taken by the holder of the turn
+        // (taking it before the turn deadlocks against an asynchronous hierarchical all-reduce
+        // that holds the turn and waits for the lock).
+        let _turn = self.engine().turns.enter();
         let h = self.hierarchy()?;
         // The sub-communicators' bytes count as this all-reduce's (declared before the lock,
         // so it ends after it).

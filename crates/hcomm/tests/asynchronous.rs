@@ -419,3 +419,29 @@ fn an_async_operation_issued_inside_a_job_can_be_waited_for() {
     });
 }
 
+#[test]
+fn first_hierarchical_all_reduces_from_a_job_and_the_caller_do_not_deadlock() {
+    // The first hierarchical all-reduce makes the sub-communicators under a lock. A blocking
+    // call that took that lock before its turn waited for the turn of an asynchronous one
+    // issued earlier, which held the turn and waited for the lock.
+    within(Duration::from_secs(120), || {
+        let out = hcomm::testing::run_threads_on_hosts(&["a", "a", "b", "b"], T, |c| {
+            use hcomm::{Algo, Collective};
+            let c = Arc::new(c);
+            assert_eq!(
+                c.algorithm_for(Collective::AllReduce, 4 << 20),
+                Algo::Hierarchical
+            );
+            let w = c.all_reduce_async(vec![1.0f32; 1 << 20], ReduceOp::Sum);
+            let mut v = vec![2.0f32; 1 << 20];
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            let got = w.wait()?;
+            assert!(got.iter().all(|&x| x == 4.0));
+            assert!(v.iter().all(|&x| x == 8.0));
+            Ok(())
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}
