@@ -928,7 +928,10 @@ impl Communicator {
         let ctx = OpContext { op, seq: inner.seq };
         inner.history.begin(&ctx);
         if self.aborted.load(Ordering::SeqCst) {
-            return Err(Error::Aborted { ctx });
+            // Fails like an abort seen in flight: the first time, the peers are told (a rank
+            // waiting on this one fails now, not at its deadline) and the call is recorded.
+            let r: Result<()> = Self::finish(&mut inner, false, Err(Error::Aborted { ctx }));
+            return Err(r.expect_err("an abort is an error"));
         }
         if let Some(first) = &inner.poisoned {
             return Err(Error::Poisoned {

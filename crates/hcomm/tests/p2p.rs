@@ -358,6 +358,45 @@ fn abort_unblocks_a_waiting_call() {
 }
 
 #[test]
+fn an_abort_between_calls_is_told_to_the_peers() {
+    // abort() with nothing in flight: the next call fails with Aborted, and the peers waiting
+    // on this rank (over TCP, and over shared memory) fail at once naming the cause, as they
+    // do when the abort hits a call in flight, instead of waiting for their deadline.
+    for shm in [false, true] {
+        let done = std::sync::Barrier::new(2);
+        let res = run_threads(2, T, |c| {
+            // Linked over TCP (and the shared segment) before the abort.
+            let peer = 1 - c.rank();
+            c.send_recv(peer, &[1u8], peer, &mut [0u8], 1)?;
+            c.barrier()?;
+            let out = if c.rank() == 0 {
+                c.abort();
+                std::thread::sleep(Duration::from_millis(100)); // rank 1 is waiting
+                let e = c.barrier().unwrap_err();
+                assert!(matches!(e, Error::Aborted { .. }), "{e}");
+                None
+            } else {
+                let start = std::time::Instant::now();
+                let e = if shm {
+                    c.barrier().unwrap_err()
+                } else {
+                    c.recv(0, 9, &mut [0u8; 4]).unwrap_err()
+                };
+                Some((e, start.elapsed()))
+            };
+            done.wait(); // rank 0 stays alive: a gone rank is another error
+            Ok(out)
+        });
+        let (e, took) = all_ok(res).pop().unwrap().unwrap();
+        assert!(
+            matches!(&e, Error::Remote { peer: 0, .. }) && e.to_string().contains("aborted"),
+            "{e}"
+        );
+        assert!(took < Duration::from_secs(10), "{e} after {took:?}");
+    }
+}
+
+#[test]
 fn an_eager_nack_does_not_break_later_collectives() {
     // Review finding: a Nack arriving during a collective must not fail it half-way.
     let res = run_threads(2, T, |c| {
