@@ -78,6 +78,10 @@ impl Communicator {
             }
         }
         let n = self.world_size();
+        // The algorithm is read in this operation's turn, after every operation issued before
+        // it (a job may have changed it with `set_algorithm`): read before, ranks where that
+        // job had not run yet would choose another algorithm than the others.
+        let _turn = self.engine().turns.enter();
         if self.hierarchical_layout().is_some()
             && self.algorithm_for(Collective::AllReduce, recv.len()) == Algo::Hierarchical
         {
@@ -129,12 +133,11 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        // This operation's turn first: the sub-communicators are made (collective splits of
-        // this communicator) inside it, so they happen at the same point of the issue order on
-        // every rank, and the hierarchy lock is only ever taken by the holder of the turn
-        // (taking it before the turn deadlocks against an asynchronous hierarchical all-reduce
-        // that holds the turn and waits for the lock).
-        let _turn = self.engine().turns.enter();
+        // Called in this operation's turn (see `all_reduce_bytes`): the sub-communicators are
+        // made (collective splits of this communicator) inside it, so they happen at the same
+        // point of the issue order on every rank, and the hierarchy lock is only ever taken by
+        // the holder of the turn (taking it before the turn deadlocks against an asynchronous
+        // hierarchical all-reduce that holds the turn and waits for the lock).
         let h = self.hierarchy()?;
         // The sub-communicators' bytes count as this all-reduce's (declared before the lock,
         // so it ends after it).

@@ -445,3 +445,39 @@ fn first_hierarchical_all_reduces_from_a_job_and_the_caller_do_not_deadlock() {
         }
     });
 }
+
+#[test]
+fn an_algorithm_set_by_an_earlier_job_applies_to_a_later_hierarchical_all_reduce_on_every_rank() {
+    // A job switches the all-reduce to hierarchical; a blocking all-reduce issued after it must
+    // run hierarchically on every rank. It decided before waiting for its turn: ranks whose
+    // job had not run yet (here host b) ran another algorithm than the others and waited for
+    // each other until the deadline.
+    within(Duration::from_secs(120), || {
+        let t = Duration::from_secs(10);
+        let out = hcomm::testing::run_threads_on_hosts(&["a", "a", "b", "b"], t, |c| {
+            use hcomm::{Algo, Collective};
+            let c = Arc::new(c);
+            let w = c.run_async("switch", |c| {
+                std::thread::sleep(Duration::from_millis(200));
+                c.set_algorithm(Collective::AllReduce, Algo::Hierarchical)
+            });
+            if c.rank() < 2 {
+                std::thread::sleep(Duration::from_millis(600)); // the job has run here
+            }
+            let mut v = vec![1.0f32; 1024];
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            w.wait()?;
+            assert!(v.iter().all(|&x| x == 4.0));
+            Ok(c.traffic())
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            let t = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            let ar = t
+                .iter()
+                .find(|x| x.op == "all_reduce")
+                .expect("an all_reduce row");
+            // Hierarchical: within the host over shared memory, across hosts over TCP.
+            assert!(ar.shm_written > 0 && ar.tcp_sent > 0, "rank {r}: {ar:?}");
+        }
+    });
+}
