@@ -319,6 +319,13 @@ pub(crate) struct OpGuard<'a> {
 
 impl Drop for OpGuard<'_> {
     fn drop(&mut self) {
+        if std::thread::panicking() && self.inner.poisoned.is_none() {
+            // The operation panicked half way (code of the caller's, such as a tracing
+            // subscriber, runs inside it): its links may be out of step, so later calls must
+            // not run on them.
+            self.inner.poisoned =
+                Some("an operation panicked while it held the communicator".into());
+        }
         if let Some((op, start)) = self.traffic.take() {
             let moved = self.inner.counters().since(start);
             match current_label() {
@@ -824,7 +831,11 @@ impl Communicator {
         // In issue order, like an operation: it applies to the operations issued after it,
         // never to asynchronous ones issued before it and still queued.
         let _turn = self.engine.turns.enter();
-        self.inner.lock().unwrap().algo.insert(coll, algo);
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .algo
+            .insert(coll, algo);
         Ok(())
     }
 
@@ -910,7 +921,11 @@ impl Communicator {
 
     /// Number of open TCP links (both directions), for resource accounting.
     pub fn open_links(&self) -> usize {
-        self.inner.lock().unwrap().links.open_links()
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .links
+            .open_links()
     }
 
     // ----- plumbing shared by every operation -----
@@ -1045,9 +1060,10 @@ impl Communicator {
         let forced = self
             .inner
             .lock()
-            .map(|i| i.algo.get(&coll).copied())
-            .ok()
-            .flatten()
+            .unwrap_or_else(|p| p.into_inner())
+            .algo
+            .get(&coll)
+            .copied()
             .unwrap_or(Algo::Auto);
         self.select(coll, bytes, forced)
     }
@@ -1188,7 +1204,7 @@ impl Communicator {
     }
 
     fn peek_seq(&self) -> u64 {
-        self.inner.lock().map(|i| i.seq).unwrap_or(0)
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).seq
     }
 
     // ----- point-to-point -----
@@ -1338,7 +1354,7 @@ impl Communicator {
     fn open_connection(&self, peer: usize, tag: u32) -> Result<()> {
         self.check_peer("connect", peer)?;
         {
-            let inner = self.inner.lock().unwrap();
+            let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             if inner.open_conns.contains(&(peer, tag)) {
                 return Err(Error::invalid(
                     "connect",
@@ -1348,7 +1364,11 @@ impl Communicator {
             }
         }
         self.control_send("connect", peer, Kind::Connect, tag)?;
-        self.inner.lock().unwrap().open_conns.insert((peer, tag));
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .open_conns
+            .insert((peer, tag));
         Ok(())
     }
 
@@ -1370,7 +1390,7 @@ impl Communicator {
             false,
         )?;
         let split_no = {
-            let mut inner = self.inner.lock().unwrap();
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             inner.splits += 1;
             inner.splits
         };
@@ -1418,7 +1438,7 @@ impl Communicator {
             ));
         }
         let n = {
-            let mut inner = self.inner.lock().unwrap();
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let c = inner.groups.entry(ranks.to_vec()).or_insert(0);
             *c += 1;
             *c
@@ -1434,10 +1454,15 @@ impl Communicator {
         let store = StoreClient::connect(&self.store_addr, timeout, self.token.as_ref())
             .map_err(|e| store_connect_error("", e))?;
         let ip = {
-            let inner = self.inner.lock().unwrap();
+            let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             inner.links.listen_ip()
         };
-        let algo = self.inner.lock().unwrap().algo.clone();
+        let algo = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .algo
+            .clone();
         let mut c = Self::build(BuildArgs {
             comm_id,
             rank,
@@ -1838,7 +1863,7 @@ impl Connection<'_> {
         self.comm
             .inner
             .lock()
-            .unwrap()
+            .unwrap_or_else(|p| p.into_inner())
             .open_conns
             .remove(&(self.peer, self.tag));
         Ok(())
@@ -1848,9 +1873,8 @@ impl Connection<'_> {
 impl Drop for Connection<'_> {
     fn drop(&mut self) {
         if self.open {
-            if let Ok(mut i) = self.comm.inner.lock() {
-                i.open_conns.remove(&(self.peer, self.tag));
-            }
+            let mut i = self.comm.inner.lock().unwrap_or_else(|p| p.into_inner());
+            i.open_conns.remove(&(self.peer, self.tag));
         }
     }
 }

@@ -731,3 +731,45 @@ fn a_shared_connection_keeps_its_communicator_alive() {
         conn.close()
     }));
 }
+
+/// A tracing subscriber that panics on every event (code of the caller's that runs inside an
+/// operation, while the operation holds the communicator).
+struct PanickingSubscriber;
+
+impl tracing::Subscriber for PanickingSubscriber {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {
+        panic!("subscriber panicked");
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn a_panic_inside_an_operation_poisons_the_communicator() {
+    // An operation that panics half way leaves its links in an unknown state: later calls
+    // must fail (Poisoned), not run on them; and the calls that only read or change settings
+    // must not panic on the poisoned lock.
+    let res = run_threads(1, T, |c| {
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracing::subscriber::with_default(PanickingSubscriber, || {
+                c.all_reduce_in_place(&mut [1f32; 4], ReduceOp::Sum)
+            })
+        }));
+        assert!(panicked.is_err(), "the subscriber panics inside the call");
+        c.set_algorithm(hcomm::Collective::AllReduce, hcomm::Algo::Ring)?;
+        let _ = c.open_links();
+        let e = c.barrier().unwrap_err();
+        assert!(matches!(e, Error::Poisoned { .. }), "{e}");
+        assert!(e.to_string().contains("panicked"), "{e}");
+        Ok(())
+    });
+    all_ok(res);
+}
