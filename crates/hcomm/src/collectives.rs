@@ -143,7 +143,15 @@ impl Communicator {
         // so it ends after it).
         let _traffic = crate::traffic::TrafficScope::enter(self, "all_reduce");
         // The parent's lock: abort and poisoning apply, calls stay serialised, a failure poisons.
-        let (mut inner, _ctx) = self.lock("all_reduce")?;
+        // A failure, here or in either sub-communicator, is told to the peers of both: a rank
+        // waits for this one in a sub-communicator, whichever failed.
+        let tell = |e: &Error| {
+            if e.is_fatal() {
+                h.within.fail_with(e);
+                h.across.fail_with(e);
+            }
+        };
+        let (mut inner, _ctx) = self.lock("all_reduce").inspect_err(tell)?;
         let result = (|| {
             for c in [&h.within, &h.across] {
                 c.set_timeout(self.timeout());
@@ -170,6 +178,9 @@ impl Communicator {
             }
             Ok(())
         })();
+        if let Err(e) = &result {
+            tell(e);
+        }
         Self::finish_collective(&mut inner, result)?;
         drop(inner);
         self.inject_fault(recv);

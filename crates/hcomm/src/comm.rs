@@ -958,6 +958,25 @@ impl Communicator {
         Ok((inner, ctx))
     }
 
+    /// Fail this communicator because an operation built on it failed (the hierarchical
+    /// all-reduce of its parent): poison it and tell its peers, as a failure of its own does
+    /// (without the grace period: the operation that failed had it). Nothing when it is
+    /// poisoned already.
+    pub(crate) fn fail_with(&self, e: &Error) {
+        let _turn = self.engine.turns.enter();
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.poisoned.is_some() {
+            return;
+        }
+        inner.poisoned = Some(e.to_string());
+        let (culprit, reason) = e.blame();
+        let seq = inner.seq;
+        inner.links.send_abort(seq, culprit, reason as u8);
+        if let Some(shm) = inner.shm.as_ref() {
+            shm.post_abort(culprit, reason as u8);
+        }
+    }
+
     /// [`finish`](Self::finish) for a collective run outside `collective()`.
     pub(crate) fn finish_collective<T>(inner: &mut Inner, r: Result<T>) -> Result<T> {
         Self::finish(inner, true, r)

@@ -773,3 +773,43 @@ fn a_panic_inside_an_operation_poisons_the_communicator() {
     });
     all_ok(res);
 }
+
+#[test]
+fn a_failure_in_the_hierarchical_all_reduce_reaches_every_rank_at_once() {
+    // Rank 0 is aborted while its hierarchical all-reduce waits across hosts (rank 3 comes
+    // late). The failure happens in one sub-communicator; the ranks that wait for rank 0 (or
+    // for a rank that failed because of it) in the other one must learn it at once, not at
+    // their deadline.
+    let t = Duration::from_secs(20);
+    let res = hcomm::testing::run_threads_on_hosts(&["a", "a", "b", "b"], t, |c| {
+        let mut v = vec![1f32; 1 << 20]; // 4 MiB: hierarchical
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        c.barrier()?;
+        let start = std::time::Instant::now();
+        let e = std::thread::scope(|s| {
+            if c.rank() == 0 {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    c.abort();
+                });
+            }
+            if c.rank() == 3 {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)
+        });
+        Ok((e, start.elapsed()))
+    });
+    for (r, x) in res.into_iter().enumerate() {
+        let (e, took) = x.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        let e = e.expect_err("the all-reduce fails on every rank");
+        assert!(
+            matches!(e, Error::Aborted { .. } | Error::Remote { .. }),
+            "rank {r}: {e}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "rank {r} after {took:?}: {e}"
+        );
+    }
+}
