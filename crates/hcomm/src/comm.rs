@@ -1397,6 +1397,9 @@ impl Communicator {
     /// same `color` form one, ordered by (`key`, rank). `None` as color leaves this rank out
     /// (returns `Ok(None)`).
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        // One turn for the whole split, so that its number is the same on every rank even when
+        // several threads split this communicator.
+        let _turn = self.engine.turns.enter();
         let mine = [color.map_or(-1i64, |c| c as i64), key];
         let mut all = vec![0i64; 2 * self.size];
         // Internal: never subject to the fault-injection hook.
@@ -1428,6 +1431,8 @@ impl Communicator {
     /// members call it, each with the same list; calling it again with the same list makes a
     /// new, independent communicator.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Communicator> {
+        // One turn for the whole call (see `split`).
+        let _turn = self.engine.turns.enter();
         let seq = self.peek_seq();
         let mut seen = HashSet::new();
         for &r in ranks {

@@ -392,8 +392,10 @@ impl Fusion {
     ///
     /// The tensors stay borrowed until `step` returns, so they cannot be touched while their
     /// bucket is in flight. `step` waits for every launched bucket before it returns, even
-    /// when `f` fails or panics. On error the tensors' contents are unspecified (the
-    /// communicator is then poisoned, except for errors `f` returns itself).
+    /// when `f` fails or panics; when `f` fails or panics, the buckets still open are not
+    /// launched (that rank alone may have failed), so their tensors are left as they were. On
+    /// a communication error the tensors' contents are unspecified (the communicator is then
+    /// poisoned).
     ///
     /// ```compile_fail,E0499
     /// # fn f(fusion: &hcomm::fusion::Fusion) -> hcomm::Result<()> {
@@ -417,10 +419,11 @@ impl Fusion {
             launched: 0,
             _scope: PhantomData,
         };
-        let r = f(&mut b);
-        let finished = b.finish();
-        let r = r?;
-        finished?;
+        // On the closure's error, the open buckets are not launched (this rank alone may have
+        // failed: launching would run collectives its peers do not); dropping the bucketer
+        // still waits for the buckets in flight.
+        let r = f(&mut b)?;
+        b.finish()?;
         Ok(r)
     }
 }
