@@ -1275,7 +1275,9 @@ impl TcpLinks {
         while Instant::now() < end {
             let mut better = None;
             for inb in self.inb.iter_mut().flatten() {
-                while let Some(h) = next_abort(inb) {
+                // Bounded by the grace period even when a peer keeps sending data.
+                while Instant::now() < end {
+                    let Some(h) = next_abort(inb) else { break };
                     let c = (h.root != u32::MAX).then_some(h.root as usize);
                     if c.is_some() && c != Some(self.rank) && c != culprit {
                         better = c;
@@ -1303,9 +1305,13 @@ impl TcpLinks {
             if inb.out_mid_frame || inb.eof {
                 continue;
             }
-            // 40 bytes into a socket buffer: all or nothing in practice; a partial write
-            // would leave the stream out of step, which no longer matters once we failed.
-            let _ = inb.sock.send_with_flags(&bytes, nosignal() | dontwait());
+            // 40 bytes into a socket buffer: all or nothing in practice. After a partial
+            // write the stream is out of step: no further notice goes on this link.
+            match inb.sock.send_with_flags(&bytes, nosignal() | dontwait()) {
+                Ok(n) if n == bytes.len() => {}
+                Ok(0) | Err(_) => {}
+                Ok(_) => inb.out_mid_frame = true,
+            }
         }
     }
 
@@ -1642,6 +1648,8 @@ fn next_abort(inb: &mut Inbound) -> Option<Header> {
     if let Some((_, left)) = inb.cur.take() {
         inb.discard += left;
     }
+    // At most 64 reads (4 MiB) per call, so a peer that keeps sending cannot hold us here.
+    let mut reads = 0;
     loop {
         if inb.discard > 0 && inb.iend > inb.ipos {
             let n = (inb.iend - inb.ipos).min(inb.discard);
@@ -1669,6 +1677,10 @@ fn next_abort(inb: &mut Inbound) -> Option<Header> {
             inb.iend -= inb.ipos;
             inb.ipos = 0;
         }
+        if reads == 64 {
+            return None;
+        }
+        reads += 1;
         match (&inb.sock).read(&mut inb.ibuf[inb.iend..]) {
             Ok(0) => {
                 inb.eof = true;
