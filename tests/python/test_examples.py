@@ -11,6 +11,7 @@ CASES = [
     ("shared_memory.py", 2),
     ("overlap.py", 2),
     ("fusion.py", 3),
+    ("compression.py", 3),
     ("train.py", 2),
 ]
 
