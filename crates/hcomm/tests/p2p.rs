@@ -324,7 +324,13 @@ fn a_closed_peer_is_reported_by_name() {
         assert!(
             matches!(&e, Error::PeerClosed { peer: 2, .. })
                 || matches!(&e, Error::Timeout { peers, .. } if peers.contains(&2))
-                || matches!(&e, Error::Remote { culprit: Some(2), .. }),
+                || matches!(
+                    &e,
+                    Error::Remote {
+                        culprit: Some(2),
+                        ..
+                    }
+                ),
             "{e}"
         );
     }
