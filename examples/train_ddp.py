@@ -18,7 +18,9 @@ Modes (every one trains the same model from the same seed on the same per-rank b
   ddp-hcomm    torch DistributedDataParallel on the "hcomm" torch.distributed backend
   ddp-gloo     torch DistributedDataParallel on gloo
 
-Per mode, rank 0 prints one line with: step time (per step the max over ranks, median over
+The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
+model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
+every mode alike. Per mode, rank 0 prints one line with: step time (per step the max over ranks, median over
 the timed steps), the time a step waits for communication after backward (naive, fused,
 overlap, compressed: measured around the wait; DDP waits inside backward, so "-"), hcomm's
 bytes sent per step and rank (its counters: TCP + shared memory; ddp-gloo and local: none),
@@ -153,94 +155,113 @@ def iface_tx_bytes(iface):
     raise SystemExit(f"train_ddp: no network interface {iface!r} in /proc/net/dev")
 
 
-def train_mode(a, mode, comm, gloo, meta, rank, world):
-    base, _, compressor = mode.partition(":")
-    torch.manual_seed(a.seed)  # identical initial weights on every rank and in every mode
-    model = build_model(a)
-    params = [p for p in model.parameters() if p.requires_grad]
-    mb = 1 << 20
-    net = model
-    if base == "ddp-hcomm":
-        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
-    elif base == "ddp-gloo":
-        net = torch.nn.parallel.DistributedDataParallel(model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
-    fusion, hooks = None, []
-    if base in ("overlap", "compressed"):
-        fusion = comm.fusion(
-            op="mean",
-            cap_bytes=int(a.bucket_mb * mb),
-            first_bucket_bytes=int(a.first_bucket_mb * mb),
-            direct_bytes=int(a.direct_mb * mb),
-            compression=compressor or None,
-            error_feedback=True,
-        )
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: fusion.push(p.grad)) for p in params]
-    opt = torch.optim.AdamW(net.parameters(), lr=a.lr)
-    lossf = torch.nn.CrossEntropyLoss()
-    data = make_data(a, rank)
-    torch.manual_seed(a.seed + 1 + rank)  # dropout masks: per rank, the same in every mode
-    net.train()
-    times, waits, losses = [], [], []
-    buckets = 0
-    start = None
-    for step, (x, y) in enumerate(data):
-        if step == a.warmup:  # the timed window starts: counters from here
-            dist.barrier(group=meta)
-            comm.reset_traffic()
-            start = (iface_tx_bytes(a.link_iface), time.perf_counter())
+class Trainer:
+    """One mode's model, optimizer, data and dropout RNG. Every mode starts from the same
+    weights (seed) and sees the same batches and dropout masks; `step` runs one training step
+    and records its time, its wait after backward, its loss and its bytes."""
+
+    def __init__(self, a, mode, comm, gloo, rank):
+        self.a, self.mode, self.comm = a, mode, comm
+        self.base, _, compressor = mode.partition(":")
+        torch.manual_seed(a.seed)  # identical initial weights on every rank and in every mode
+        self.model = build_model(a)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        mb = 1 << 20
+        self.net = self.model
+        if self.base == "ddp-hcomm":
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
+        elif self.base == "ddp-gloo":
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
+        self.fusion = None
+        if self.base in ("overlap", "compressed"):
+            self.fusion = comm.fusion(
+                op="mean",
+                cap_bytes=int(a.bucket_mb * mb),
+                first_bucket_bytes=int(a.first_bucket_mb * mb),
+                direct_bytes=int(a.direct_mb * mb),
+                compression=compressor or None,
+                error_feedback=True,
+            )
+            fusion = self.fusion
+            for p in self.params:  # each gradient starts its bucket's all-reduce as it is ready
+                p.register_post_accumulate_grad_hook(lambda p: fusion.push(p.grad))
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=a.lr)
+        self.lossf = torch.nn.CrossEntropyLoss()
+        self.data = make_data(a, rank)
+        # dropout masks: per rank, the same in every mode (each mode keeps its own generator
+        # state, since the modes' steps interleave)
+        torch.manual_seed(a.seed + 1 + rank)
+        self.rng = torch.get_rng_state()
+        self.net.train()
+        self.times, self.waits, self.losses, self.sent, self.tcp, self.link = [], [], [], [], [], []
+        self.buckets = 0
+
+    def step(self, i):
+        a, params, comm = self.a, self.params, self.comm
+        x, y = self.data[i]
+        torch.set_rng_state(self.rng)
+        mb = 1 << 20
+        before = comm.traffic() if self.base not in ("local", "ddp-gloo") else None
+        link0 = iface_tx_bytes(a.link_iface)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = lossf(net(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.lossf(self.net(x), y)
         loss.backward()
         tb = time.perf_counter()
-        if base == "naive":
+        if self.base == "naive":
             for p in params:
                 comm.all_reduce(p.grad, op="mean")  # blocking, one call per parameter
-        elif base == "fused":
+        elif self.base == "fused":
             comm.all_reduce_coalesced([p.grad for p in params], op="mean", cap_bytes=int(a.bucket_mb * mb))
-        elif fusion is not None:
-            buckets = fusion.finish()  # waits for the buckets launched during backward
+        elif self.fusion is not None:
+            self.buckets = self.fusion.finish()  # waits for the buckets launched during backward
         tc = time.perf_counter()
-        opt.step()
+        self.opt.step()
         t1 = time.perf_counter()
-        times.append(t1 - t0)
-        waits.append(tc - tb)
-        losses.append(loss.item())
-    dist.barrier(group=meta)
-    end = (iface_tx_bytes(a.link_iface), time.perf_counter())
-    traffic = comm.traffic()
-    for h in hooks:
-        h.remove()
-    sent = sum(t.bytes_sent for t in traffic)
-    tcp = sum(t.tcp_sent for t in traffic)
-    link = None if start[0] is None or end[0] is None else end[0] - start[0]
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-    mine = {
-        "times": times[a.warmup:],
-        "waits": waits[a.warmup:],
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "sent": sent,
-        "tcp": tcp,
-        "link": link,
-        "host": comm._c.host_id,
-        "local_rank": comm._c.local_rank,
-        "csum": [float(flat.double().sum()), float(flat.double().abs().sum())],
-        "buckets": buckets,
-    }
-    every = [None] * world
-    dist.all_gather_object(every, mine, group=meta)
-    del net, model, opt, fusion
-    if rank != 0:
-        return None
+        self.rng = torch.get_rng_state()
+        self.times.append(t1 - t0)
+        self.waits.append(tc - tb)
+        self.losses.append(loss.item())
+        return before, link0
+
+    def account(self, before, link0):
+        """Bytes of the step just run (called once every rank has finished it)."""
+        if before is not None:
+            was = {t.op: t for t in before}
+            now = self.comm.traffic()
+            self.sent.append(sum(t.bytes_sent - (was[t.op].bytes_sent if t.op in was else 0) for t in now))
+            self.tcp.append(sum(t.tcp_sent - (was[t.op].tcp_sent if t.op in was else 0) for t in now))
+        link1 = iface_tx_bytes(self.a.link_iface)
+        if link0 is not None:
+            self.link.append(link1 - link0)
+
+    def summary(self, world):
+        a = self.a
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        w = a.warmup
+        return {
+            "times": self.times[w:],
+            "waits": self.waits[w:],
+            "first_loss": self.losses[0],
+            "last_loss": self.losses[-1],
+            "sent": sum(self.sent[w:]) if self.sent else None,
+            "tcp": sum(self.tcp[w:]) if self.tcp else None,
+            "link": sum(self.link[w:]) if self.link else None,
+            "host": self.comm._c.host_id,
+            "local_rank": self.comm._c.local_rank,
+            "csum": [float(flat.double().sum()), float(flat.double().abs().sum())],
+            "buckets": self.buckets,
+        }
+
+
+def summarize(a, mode, every, world):
+    """Rank 0: one mode's result from every rank's summary."""
+    base = mode.partition(":")[0]
     n = a.steps
     per_step = [max(r["times"][i] for r in every) for i in range(n)]
     wait_step = [max(r["waits"][i] for r in every) for i in range(n)]
-    hosts = {}
-    for r in every:
-        if r["link"] is not None and r["local_rank"] == 0:
-            hosts[r["host"]] = r["link"]
+    hosts = {r["host"]: r["link"] for r in every if r["link"] is not None and r["local_rank"] == 0}
     step_s = statistics.median(per_step)
     link_per_step = statistics.mean(hosts.values()) / n if hosts else None
     uses_hcomm = base not in ("local", "ddp-gloo")
@@ -250,11 +271,12 @@ def train_mode(a, mode, comm, gloo, meta, rank, world):
         "ranks": world,
         "hosts": len({r["host"] for r in every}),
         "model": f"{a.layers}x{a.hidden}",
-        "params": sum(p.numel() for p in params),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "params": every[0]["params"],
+        "grad_bytes": every[0]["grad_bytes"],
         "steps": n,
         "step_ms": step_s * 1e3,
         "step_ms_min": min(per_step) * 1e3,
+        "step_ms_max": max(per_step) * 1e3,
         "wait_ms": statistics.median(wait_step) * 1e3 if base in ("naive", "fused", "overlap", "compressed") else None,
         "hcomm_sent_per_step": statistics.mean(r["sent"] for r in every) / n if uses_hcomm else None,
         "hcomm_tcp_per_step": statistics.mean(r["tcp"] for r in every) / n if uses_hcomm else None,
@@ -265,6 +287,28 @@ def train_mode(a, mode, comm, gloo, meta, rank, world):
         "replicas_identical": all(r["csum"] == every[0]["csum"] for r in every),
         "buckets": every[0]["buckets"],
     }
+
+
+def train(a, comm, gloo, meta, rank, world):
+    """Every mode, their steps interleaved (step i of every mode, then step i + 1), so that
+    load from elsewhere on the machine falls on every mode alike. A barrier after each step
+    keeps one mode's traffic out of the next one's byte counts."""
+    trainers = [Trainer(a, m, comm, gloo, rank) for m in a.modes]
+    for i in range(a.warmup + a.steps):
+        for t in trainers:
+            marks = t.step(i)
+            dist.barrier(group=meta)  # every rank done with this mode's step: its bytes have arrived
+            t.account(*marks)
+    results = []
+    for t in trainers:
+        mine = t.summary(world)
+        mine["params"] = sum(p.numel() for p in t.params)
+        mine["grad_bytes"] = sum(p.numel() * p.element_size() for p in t.params)
+        every = [None] * world
+        dist.all_gather_object(every, mine, group=meta)
+        if rank == 0:
+            results.append(summarize(a, t.mode, every, world))
+    return results
 
 
 def fmt(v, spec, none="-"):
@@ -284,12 +328,9 @@ def main(argv=None) -> int:
     comm = hcomm.torch.communicator_of()
     gloo = dist.new_group(backend="gloo", timeout=tmo) if any(m == "ddp-gloo" for m in a.modes) else None
     meta = dist.new_group(backend="gloo", timeout=tmo)  # bookkeeping, off hcomm's counters
-    results = []
-    for mode in a.modes:
-        r = train_mode(a, mode, comm, gloo, meta, rank, world)
-        if rank == 0:
-            results.append(r)
-            print(TAG + json.dumps(r), flush=True)
+    results = train(a, comm, gloo, meta, rank, world)
+    for r in results:
+        print(TAG + json.dumps(r), flush=True)
     ok = True
     if rank == 0:
         local = next((r["step_ms"] for r in results if r["mode"] == "local"), None)

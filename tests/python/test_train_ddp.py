@@ -80,4 +80,13 @@ def test_training_report_quick_on_loopback(tmp_path):
     assert "## loopback, 2 ranks" in text and "| compressed:topk:1% |" in text and "| ddp-gloo |" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
-    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 9
+    lines = out.with_suffix(".jsonl").read_text().splitlines()
+    assert len(lines) == 10 and "meta" in json.loads(lines[0])  # the run's description, then 9 modes
+    # the report can be written again from the kept results, identically
+    again = tmp_path / "again.md"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "training-report.py"), "--from-jsonl", str(out.with_suffix(".jsonl")), "--out", str(again)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout
+    assert again.read_text() == text
