@@ -193,7 +193,8 @@ class Trainer:
         torch.manual_seed(a.seed + 1 + rank)
         self.rng = torch.get_rng_state()
         self.net.train()
-        self.times, self.waits, self.losses, self.sent, self.tcp, self.link = [], [], [], [], [], []
+        self.times, self.waits, self.computes, self.losses = [], [], [], []
+        self.sent, self.tcp, self.link = [], [], []
         self.buckets = 0
 
     def step(self, i):
@@ -221,6 +222,7 @@ class Trainer:
         self.rng = torch.get_rng_state()
         self.times.append(t1 - t0)
         self.waits.append(tc - tb)
+        self.computes.append((tb - t0) + (t1 - tc))
         self.losses.append(loss.item())
         return before, link0
 
@@ -243,6 +245,7 @@ class Trainer:
         return {
             "times": self.times[w:],
             "waits": self.waits[w:],
+            "computes": self.computes[w:],
             "first_loss": self.losses[0],
             "last_loss": self.losses[-1],
             "sent": sum(self.sent[w:]) if self.sent else None,
@@ -261,6 +264,7 @@ def summarize(a, mode, every, world):
     n = a.steps
     per_step = [max(r["times"][i] for r in every) for i in range(n)]
     wait_step = [max(r["waits"][i] for r in every) for i in range(n)]
+    compute_step = [max(r["computes"][i] for r in every) for i in range(n)]
     hosts = {r["host"]: r["link"] for r in every if r["link"] is not None and r["local_rank"] == 0}
     step_s = statistics.median(per_step)
     link_per_step = statistics.mean(hosts.values()) / n if hosts else None
@@ -278,6 +282,12 @@ def summarize(a, mode, every, world):
         "step_ms_min": min(per_step) * 1e3,
         "step_ms_max": max(per_step) * 1e3,
         "wait_ms": statistics.median(wait_step) * 1e3 if base in ("naive", "fused", "overlap", "compressed") else None,
+        "wait_ms_at_min": wait_step[per_step.index(min(per_step))] * 1e3 if base in ("naive", "fused", "overlap", "compressed") else None,
+        # forward + backward + optimizer (the step without the wait after backward; for DDP
+        # this includes its waits inside backward): per step the slowest rank, median, and the
+        # value in the fastest step
+        "compute_ms": statistics.median(compute_step) * 1e3,
+        "compute_ms_at_min": compute_step[per_step.index(min(per_step))] * 1e3,
         "hcomm_sent_per_step": statistics.mean(r["sent"] for r in every) / n if uses_hcomm else None,
         "hcomm_tcp_per_step": statistics.mean(r["tcp"] for r in every) / n if uses_hcomm else None,
         "link_bytes_per_step": link_per_step,
