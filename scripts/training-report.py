@@ -3,7 +3,7 @@
 loopback and on a 1 Gbit/s namespace cluster of 2 hosts, and the 6x512 encoder on that link
 against the peer figures; writes docs/training-report.md and docs/training-report.svg.
 
-    python3 scripts/training-report.py              # the full report (about 8 minutes here)
+    python3 scripts/training-report.py              # the full report (6-10 minutes here)
     python3 scripts/training-report.py --quick      # tiny model, few steps (under a minute)
     python3 scripts/training-report.py --only lo2,net2 --steps 4 --out /tmp/r.md
 
