@@ -4,7 +4,7 @@
 #
 # The virtualenv sees the system's site-packages, so a torch installed system-wide is reused;
 # what is missing is installed into the system Python with pip: numpy, pytest, pytest-timeout,
-# maturin, ml_dtypes, and torch only when it cannot be imported (its PyPI wheel is large).
+# maturin, ml_dtypes, scikit-learn, and torch only when it cannot be imported (its PyPI wheel is large).
 # torch tests are required here (HCOMM_REQUIRE_TORCH=1): they fail, never skip, without torch.
 #
 # Environment: PYTHON (default python3), PYTEST_ARGS (extra pytest arguments, e.g. "-k ddp").
@@ -21,6 +21,7 @@ have pytest || missing+=(pytest)
 have pytest_timeout || missing+=(pytest-timeout)
 have maturin || missing+=("maturin>=1.9.4,<2")
 have ml_dtypes || missing+=(ml_dtypes)
+have sklearn || missing+=(scikit-learn)   # the convergence test's data set (load_digits ships with it)
 if ((${#missing[@]})); then
     echo "installing ${missing[*]}"
     "$PY" -m pip install --quiet --disable-pip-version-check "${missing[@]}"

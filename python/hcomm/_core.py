@@ -144,6 +144,148 @@ class Work:
 
 
 # ----------------------------------------------------------------------------------------------
+# compression and byte counters
+
+
+class CompressionState:
+    """One tensor's gradient-compression state: the compressor, whether error feedback is on,
+    the residuals and the step count. Keep one per tensor and pass it to every
+    :meth:`Communicator.all_reduce_compressed` of that tensor::
+
+        state = hcomm.CompressionState("int8:256")           # error feedback on
+        for step in range(steps):
+            ...
+            hcomm.AllReduceCompressed(grad, state=state, op="mean")
+
+    `compressor` is one of ``none``, ``fp16``, ``bf16``, ``int8[:BLOCK]``, ``int8sr[:BLOCK]``
+    (stochastic rounding), ``sign[:BLOCK]``, ``topk:K|P%``, ``randk:K|P%[:SEED]`` (see
+    docs/compression.md for what each guarantees). With error feedback, what compression
+    drops is kept (:attr:`residual`) and added to the next call's input. `key` is mixed into
+    random-k's seed: give tensors sharing a seed different keys (the same on every rank).
+    The state binds to the tensor size and communicator at its first use; :meth:`reset`
+    rebinds it. Raises :class:`InvalidArgumentError` for an unknown compressor or bad
+    parameter (``topk:0``, ``int8:0``, ``randk:150%``)."""
+
+    def __init__(self, compressor: str = "int8", error_feedback: bool = True, key: int = 0) -> None:
+        if not isinstance(compressor, str):
+            raise TypeError(f"compressor must be a string such as 'int8:256' or 'topk:1%', got {type(compressor).__name__}")
+        self._s = _hcomm.CompressionState(compressor, bool(error_feedback), int(key))
+
+    @property
+    def compressor(self) -> str:
+        """The compressor in canonical form (``"int8:256"``, ``"topk:1%"``, ...)."""
+        return self._s.compressor
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether error feedback is on."""
+        return self._s.error_feedback
+
+    @property
+    def steps(self) -> int:
+        """Compressed all-reduces run with this state."""
+        return self._s.steps
+
+    @property
+    def residual(self) -> Any:
+        """A copy (numpy float32) of what this rank's compression dropped and will add to the
+        next input; empty before the first call, without error feedback, and for ``none``."""
+        import numpy as np
+
+        return np.frombuffer(self._s.residual, dtype=np.float32).copy()
+
+    @property
+    def owner_residual(self) -> Any:
+        """int8 and sign: a copy of what re-encoding the sum of the chunk this rank owns
+        dropped (elements :attr:`owner_range`); empty otherwise."""
+        import numpy as np
+
+        return np.frombuffer(self._s.owner_residual, dtype=np.float32).copy()
+
+    @property
+    def owner_range(self) -> "Optional[tuple[int, int]]":
+        """int8 and sign: (start, end) of the elements this rank owns, once used."""
+        r = self._s.owner_range
+        return None if r is None else (int(r[0]), int(r[1]))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the residuals hold."""
+        return self._s.memory_bytes
+
+    def reset(self) -> None:
+        """Forget the residuals, the step count and the binding to a tensor."""
+        self._s.reset()
+
+    def __repr__(self) -> str:
+        return repr(self._s).replace("hcomm._hcomm.", "hcomm.")
+
+
+def _compression_state(compressor: Optional[str], state: Optional[CompressionState]) -> CompressionState:
+    """The state an all_reduce_compressed call uses: `state`, or a fresh one for `compressor`."""
+    if state is None:
+        if compressor is None:
+            raise ValueError("all_reduce_compressed: give a compressor (e.g. 'int8') or a CompressionState")
+        return CompressionState(compressor, error_feedback=False)
+    if not isinstance(state, CompressionState):
+        raise TypeError(f"all_reduce_compressed: state must be a hcomm.CompressionState, got {type(state).__name__}")
+    if compressor is not None:
+        mine = CompressionState(compressor).compressor  # canonical form (validates it too)
+        if mine != state.compressor:
+            raise ValueError(
+                f"all_reduce_compressed: compressor {compressor!r} ({mine}) differs from the state's {state.compressor}; "
+                "give one of them"
+            )
+    return state
+
+
+class Traffic:
+    """Bytes one kind of operation moved on this rank (a row of
+    :meth:`Communicator.traffic`)."""
+
+    __slots__ = ("op", "calls", "tcp_sent", "tcp_received", "shm_written", "shm_read")
+
+    def __init__(self, op: str, calls: int, tcp_sent: int, tcp_received: int, shm_written: int, shm_read: int) -> None:
+        #: Operation name (``all_reduce``, ``all_reduce_compressed``, ``send``, ...).
+        self.op = op
+        #: Calls of the operation.
+        self.calls = calls
+        #: Bytes written to TCP links.
+        self.tcp_sent = tcp_sent
+        #: Bytes read from TCP links.
+        self.tcp_received = tcp_received
+        #: Bytes copied into the shared-memory segment.
+        self.shm_written = shm_written
+        #: Bytes copied (or reduced) out of the shared-memory segment.
+        self.shm_read = shm_read
+
+    @property
+    def bytes_sent(self) -> int:
+        """TCP bytes written plus shared-memory bytes written."""
+        return self.tcp_sent + self.shm_written
+
+    @property
+    def bytes_received(self) -> int:
+        """TCP bytes read plus shared-memory bytes read."""
+        return self.tcp_received + self.shm_read
+
+    def as_dict(self) -> dict:
+        """The row as a dict (with bytes_sent and bytes_received)."""
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d.update(bytes_sent=self.bytes_sent, bytes_received=self.bytes_received)
+        return d
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Traffic) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __repr__(self) -> str:
+        return (
+            f"Traffic(op={self.op!r}, calls={self.calls}, tcp_sent={self.tcp_sent}, tcp_received={self.tcp_received}, "
+            f"shm_written={self.shm_written}, shm_read={self.shm_read})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # connections and shared memory
 
 
@@ -664,6 +806,61 @@ class Communicator:
         """:meth:`barrier` in the background; ``wait()`` returns None once every rank is in."""
         return Work(self._c.barrier(True))
 
+    # -- compression and byte counters -----------------------------------------------------
+
+    def _all_reduce_compressed(self, tensor: Any, compressor: Optional[str], state: "Optional[CompressionState]", op: str, a: bool) -> Any:
+        _check_tensor("all_reduce_compressed", "tensor", tensor)
+        state = _compression_state(compressor, state)
+        engine = self._c.all_reduce_compressed(tensor, state._s, op, a)
+        return self._finish(engine, tensor, (tensor, state))
+
+    def all_reduce_compressed(
+        self,
+        tensor: Any,
+        compressor: Optional[str] = None,
+        state: "Optional[CompressionState]" = None,
+        op: str = "sum",
+    ) -> Any:
+        """All-reduce the float32 `tensor` in place (sum or mean) while a compressed form of
+        it travels, and return it.
+
+        Give a :class:`CompressionState` as `state` and keep it for the next steps of the same
+        tensor: it holds the residual (what compression dropped, added to the next input:
+        error feedback). `compressor` alone (``"fp16"``, ``"bf16"``, ``"int8:256"``,
+        ``"sign:1024"``, ``"topk:1%"``, ``"randk:1%"``, ...) compresses this one call with a
+        fresh state (no error feedback across calls). Every rank must use the same compressor
+        and tensor size; the result is bitwise identical on every rank.
+
+        Raises :class:`InvalidArgumentError` (also a ``ValueError``) for a dtype other than
+        float32, an op other than sum/mean, an unknown compressor, or a state used with
+        another tensor size; :class:`TypeError` for an unsupported object."""
+        return self._all_reduce_compressed(tensor, compressor, state, op, False)
+
+    def all_reduce_compressed_async(
+        self,
+        tensor: Any,
+        compressor: Optional[str] = None,
+        state: "Optional[CompressionState]" = None,
+        op: str = "sum",
+    ) -> Work:
+        """:meth:`all_reduce_compressed` in the background; ``wait()`` returns `tensor`. Do
+        not touch `tensor` or use `state` elsewhere before it completes (operations on one
+        state run in issue order)."""
+        return self._all_reduce_compressed(tensor, compressor, state, op, True)
+
+    def traffic(self) -> "list[Traffic]":
+        """Bytes this rank moved per kind of operation (``all_reduce``,
+        ``all_reduce_compressed``, ``broadcast``, ...) since the communicator was made or
+        :meth:`reset_traffic` last ran: a list of :class:`Traffic` rows, in the order the
+        operations first ran. TCP bytes are those written to / read from sockets (frame
+        headers included); shared-memory bytes those copied into / out of the segment. A
+        fused bucket counts under ``all_reduce`` (compressed: ``all_reduce_compressed``)."""
+        return [Traffic(*row) for row in self._c.traffic()]
+
+    def reset_traffic(self) -> None:
+        """Zero the counters of :meth:`traffic`."""
+        self._c.reset_traffic()
+
     # -- fusion ----------------------------------------------------------------------------
 
     def fusion(
@@ -672,9 +869,13 @@ class Communicator:
         cap_bytes: int = 25 << 20,
         first_bucket_bytes: int = 1 << 20,
         direct_bytes: int = 1 << 20,
+        compression: Optional[str] = None,
+        error_feedback: bool = True,
     ) -> "Fusion":
-        """A :class:`Fusion` (bucketed all-reduce of many tensors) on this communicator."""
-        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes)
+        """A :class:`Fusion` (bucketed all-reduce of many tensors) on this communicator; with
+        `compression` (a compressor string such as ``"int8"`` or ``"topk:1%"``) every bucket
+        is all-reduced compressed (see :class:`Fusion`)."""
+        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes, compression, error_feedback)
 
     def all_reduce_coalesced(self, tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
         """All-reduce every tensor of `tensors` (in place, any sizes and dtypes) in fused
@@ -779,7 +980,14 @@ class Fusion:
 
     Buckets hold one dtype and up to `cap_bytes` (the first one closed `first_bucket_bytes`,
     so communication starts early); tensors of at least `direct_bytes` are reduced in place
-    without packing. ::
+    without packing.
+
+    With `compression` (a compressor string: ``"fp16"``, ``"bf16"``, ``"int8[:BLOCK]"``,
+    ``"sign[:BLOCK]"``, ``"topk:K|P%"``, ``"randk:K|P%"``) every bucket is all-reduced with
+    :meth:`Communicator.all_reduce_compressed`, and keeps its own :class:`CompressionState`
+    (with error feedback unless `error_feedback=False`) from step to step, keyed by its
+    members (positions in the step) and size: push the same tensors in the same order every
+    step. `op` must then be sum or mean and the tensors float32. ::
 
         fusion = comm.fusion(op="mean")
         with fusion.step() as bucket:          # or: fusion.push(...) ... fusion.finish()
@@ -788,10 +996,40 @@ class Fusion:
         # every g now holds the mean over the ranks
     """
 
-    def __init__(self, comm: "Communicator", op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> None:
-        self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes))
+    def __init__(
+        self,
+        comm: "Communicator",
+        op: str = "sum",
+        cap_bytes: int = 25 << 20,
+        first_bucket_bytes: int = 1 << 20,
+        direct_bytes: int = 1 << 20,
+        compression: Optional[str] = None,
+        error_feedback: bool = True,
+    ) -> None:
+        if compression is not None and not isinstance(compression, str):
+            raise TypeError(f"fusion: compression must be a compressor string such as 'int8' or 'topk:1%', got {type(compression).__name__}")
+        self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes), compression, bool(error_feedback))
         #: Buckets of the last finished step.
         self.last_step_buckets = 0
+
+    @property
+    def compression(self) -> Optional[str]:
+        """The buckets' compressor in canonical form (``"int8:256"``, ``"topk:1%"``), or None
+        when buckets are all-reduced exactly (also for ``compression="none"``)."""
+        return self._f.compressor
+
+    @property
+    def error_feedback(self) -> Optional[bool]:
+        """Whether compressed buckets keep residuals (None without compression)."""
+        return self._f.error_feedback
+
+    def reset_compression(self) -> None:
+        """Forget every bucket's residual (e.g. after changing the model)."""
+        self._f.reset_compression()
+
+    def compression_memory(self) -> "tuple[int, int]":
+        """(buckets holding a compression state, bytes of their residuals)."""
+        return tuple(self._f.compression_memory())
 
     def push(self, tensor: Any) -> None:
         """Add a ready tensor; launches a bucket if this fills one."""
@@ -997,9 +1235,39 @@ def AllReduceCoalesced(tensors: Sequence[Any], op: str = "sum", cap_bytes: int =
     return _get().all_reduce_coalesced(tensors, op, cap_bytes)
 
 
-def CreateFusion(op: str = "sum", cap_bytes: int = 25 << 20, first_bucket_bytes: int = 1 << 20, direct_bytes: int = 1 << 20) -> Fusion:
-    """A :class:`Fusion` on the default communicator."""
-    return _get().fusion(op, cap_bytes, first_bucket_bytes, direct_bytes)
+def CreateFusion(
+    op: str = "sum",
+    cap_bytes: int = 25 << 20,
+    first_bucket_bytes: int = 1 << 20,
+    direct_bytes: int = 1 << 20,
+    compression: Optional[str] = None,
+    error_feedback: bool = True,
+) -> Fusion:
+    """A :class:`Fusion` on the default communicator (compressed buckets with
+    `compression`)."""
+    return _get().fusion(op, cap_bytes, first_bucket_bytes, direct_bytes, compression, error_feedback)
+
+
+def AllReduceCompressed(tensor: Any, compressor: Optional[str] = None, state: Optional[CompressionState] = None, op: str = "sum") -> Any:
+    """All-reduce a float32 tensor in place while a compressed form travels; see
+    :meth:`Communicator.all_reduce_compressed`."""
+    return _get().all_reduce_compressed(tensor, compressor, state, op)
+
+
+def AllReduceCompressedAsync(tensor: Any, compressor: Optional[str] = None, state: Optional[CompressionState] = None, op: str = "sum") -> Work:
+    """:func:`AllReduceCompressed` in the background; ``wait()`` returns the tensor."""
+    return _get().all_reduce_compressed_async(tensor, compressor, state, op)
+
+
+def GetTraffic() -> "list[Traffic]":
+    """Bytes the default communicator moved per kind of operation; see
+    :meth:`Communicator.traffic`."""
+    return _get().traffic()
+
+
+def ResetTraffic() -> None:
+    """Zero the default communicator's byte counters."""
+    _get().reset_traffic()
 
 
 def CreateConnection(dst_rank: int, tag: int = 0) -> Connection:
@@ -1101,6 +1369,11 @@ all_to_all_async = AllToAllAsync
 barrier_async = BarrierAsync
 all_reduce_coalesced = AllReduceCoalesced
 create_fusion = CreateFusion
+all_reduce_compressed = AllReduceCompressed
+all_reduce_compressed_async = AllReduceCompressedAsync
+get_traffic = GetTraffic
+reset_traffic = ResetTraffic
+traffic = GetTraffic
 create_connection = CreateConnection
 destroy_connection = DestroyConnection
 send = Send

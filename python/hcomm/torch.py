@@ -23,6 +23,12 @@ all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single run on hcomm
 engine and return at once; their Work completes (and its future is set, by one waiter thread
 per process group) when hcomm is done, in issue order. The other operations run when issued
 and return a completed Work. Non-contiguous tensors go through a contiguous copy.
+
+:func:`compression_hook` with a :class:`CompressionHookState` is a DDP communication hook that
+all-reduces DDP's gradient buckets with hcomm's compressed all-reduce (fp16, bf16, int8, sign,
+top-k, random-k, with error feedback)::
+
+    ddp.register_comm_hook(hcomm.torch.CompressionHookState("int8"), hcomm.torch.compression_hook)
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.distributed import ReduceOp
 
-from ._core import Communicator
+from ._core import Communicator, CompressionState, Work
 
-__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of"]
+__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook"]
 
 #: The name to pass to ``init_process_group`` / ``new_group``.
 BACKEND_NAME = "hcomm"
@@ -502,6 +508,134 @@ def communicator_of(group: Any = None) -> Communicator:
     if not isinstance(backend, HcommBackend):
         raise ValueError(f"the process group's CPU backend is {type(backend).__name__}, not hcomm")
     return backend.comm
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP communication hook: gradient buckets all-reduced compressed by hcomm
+
+
+class CompressionHookState:
+    """The state of :func:`compression_hook`: the compressor, whether error feedback is on,
+    the communicator, and one :class:`hcomm.CompressionState` (residuals) per DDP bucket::
+
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = hcomm.torch.CompressionHookState("int8", error_feedback=True)
+        ddp.register_comm_hook(state, hcomm.torch.compression_hook)
+
+    `compressor` is an hcomm compressor string (``"fp16"``, ``"bf16"``, ``"int8[:BLOCK]"``,
+    ``"sign[:BLOCK]"``, ``"topk:K|P%"``, ``"randk:K|P%"``, ``"none"``). The communicator is
+    `comm` if given, else the one behind `process_group` (or the default group) when its
+    backend is ``"hcomm"``, else hcomm's default communicator (``hcomm.InitHcom()``); it is
+    resolved at the first bucket. Buckets that are not float32 are all-reduced exactly.
+
+    A bucket's state is keyed by (bucket index, elements). DDP rebuilds its buckets once,
+    after the first iteration; the first iteration's residuals are then dropped (counted in
+    :attr:`dropped_states`), which loses one step's compression error."""
+
+    def __init__(
+        self,
+        compressor: str = "int8",
+        error_feedback: bool = True,
+        comm: Optional[Communicator] = None,
+        process_group: Any = None,
+    ) -> None:
+        CompressionState(compressor)  # validate now (InvalidArgumentError), not in backward
+        self.compressor = compressor
+        self.error_feedback = bool(error_feedback)
+        self.comm = comm
+        self.process_group = process_group
+        #: Compression state per (bucket index, elements).
+        self.states: dict = {}
+        #: States of buckets that no longer exist (after DDP's bucket rebuild).
+        self.dropped_states = 0
+        self._waiter = _HookWaiter()
+
+    def communicator(self) -> Communicator:
+        """The hcomm communicator the hook uses (resolved once)."""
+        if self.comm is None:
+            try:
+                self.comm = communicator_of(self.process_group)
+            except (ValueError, RuntimeError, AttributeError):
+                from . import _core
+
+                if _core._default is None:
+                    raise ValueError(
+                        "hcomm compression hook: the process group's backend is not hcomm and hcomm.InitHcom() was not "
+                        "called; pass comm= (an hcomm.Communicator) to CompressionHookState"
+                    ) from None
+                self.comm = _core._default
+        return self.comm
+
+    def state_for(self, index: int, numel: int) -> CompressionState:
+        """The compression state of bucket `index` of `numel` elements (made on first use)."""
+        key = (index, numel)
+        st = self.states.get(key)
+        if st is None:
+            stale = [k for k in self.states if k[0] == index]
+            for k in stale:
+                del self.states[k]
+            self.dropped_states += len(stale)
+            st = CompressionState(self.compressor, self.error_feedback, key=(index << 32) ^ numel)
+            self.states[key] = st
+        return st
+
+    def __repr__(self) -> str:
+        return f"<hcomm.torch.CompressionHookState {self.compressor} error_feedback={self.error_feedback} buckets={len(self.states)}>"
+
+
+class _HookWaiter:
+    """A thread that completes the hook's futures in issue order, when hcomm is done."""
+
+    def __init__(self) -> None:
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def put(self, work: Work, fut: torch.futures.Future, result: torch.Tensor) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hcomm-comm-hook", daemon=True)
+                self._thread.start()
+        self._q.put((work, fut, result))
+
+    def _run(self) -> None:
+        while True:
+            work, fut, result = self._q.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+
+def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future:
+    """A DDP communication hook (``ddp.register_comm_hook(state, compression_hook)``): each
+    gradient bucket is averaged over the ranks by hcomm's compressed all-reduce, started at
+    once on hcomm's progress engine (so it overlaps with the rest of backward), with the
+    bucket's residual kept in `state` (:class:`CompressionHookState`) between iterations.
+    The future holds the bucket's buffer, averaged in place."""
+    buf = bucket.buffer()
+    comm = state.communicator()
+    if buf.dtype != torch.float32 or buf.device.type != "cpu":
+        if buf.device.type != "cpu":
+            raise ValueError(f"hcomm compression hook: the bucket is on {buf.device}; hcomm communicates CPU tensors")
+        work = comm.all_reduce_async(buf, op="mean")
+    else:
+        st = state.state_for(bucket.index(), buf.numel())
+        work = comm.all_reduce_compressed_async(buf, state=st, op="mean")
+    fut: torch.futures.Future = torch.futures.Future()
+    state._waiter.put(work, fut, buf)
+    return fut
+
+
+# DDP checks a hook's annotations as objects (this module's are strings: `from __future__
+# import annotations`).
+compression_hook.__annotations__ = {
+    "state": CompressionHookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> HcommBackend:

@@ -11,12 +11,17 @@ CASES = [
     ("shared_memory.py", 2),
     ("overlap.py", 2),
     ("fusion.py", 3),
+    ("compression.py", 3),
     ("train.py", 2),
 ]
 
 
+#: Examples with arguments, tested in their own files.
+ELSEWHERE = {"train_ddp.py": "test_train_ddp.py"}
+
+
 def test_every_example_is_tested():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(name for name, _ in CASES)
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted([name for name, _ in CASES] + list(ELSEWHERE))
 
 
 @needs_torch

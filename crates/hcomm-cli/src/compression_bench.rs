@@ -52,6 +52,9 @@ pub struct CompressionRow {
     pub wire_bytes_sent: u64,
     /// Measured bytes received per rank per call (mean over ranks).
     pub wire_bytes_received: u64,
+    /// Of `wire_bytes_sent`, the bytes written to TCP links (mean over ranks): what crosses
+    /// hosts when some ranks share one (the rest went through shared memory).
+    pub tcp_bytes_sent: u64,
     /// The uncompressed all-reduce's bytes sent over this one's (when `none` was measured).
     pub reduction_vs_none: Option<f64>,
     /// Median time per call, max over ranks, in ms.
@@ -112,11 +115,12 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
             o.steps.max(1)
         );
         println!(
-            "#{:>15} {:>12} {:>14} {:>14} {:>8} {:>10} {:>11} {:>10} {:>12}",
+            "#{:>15} {:>12} {:>14} {:>14} {:>13} {:>8} {:>10} {:>11} {:>10} {:>12}",
             "compressor",
             "logical(MiB)",
             "sent/rank(MiB)",
             "recv/rank(MiB)",
+            "tcp/rank(MiB)",
             "vs none",
             "time(ms)",
             "rel.L2 err",
@@ -147,7 +151,7 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
         comm.barrier()?;
         comm.reset_traffic();
         let mut times = Vec::with_capacity(o.steps.max(1));
-        let (mut sent, mut received, mut calls) = (0u64, 0u64, 0u64);
+        let (mut sent, mut received, mut tcp, mut calls) = (0u64, 0u64, 0u64, 0u64);
         for _ in 0..o.steps.max(1) {
             buf.copy_from_slice(&grad);
             comm.barrier()?;
@@ -161,7 +165,8 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
                 .into_iter()
                 .find(|r| r.op == "all_reduce_compressed")
             {
-                (sent, received, calls) = (r.bytes_sent(), r.bytes_received(), r.calls);
+                (sent, received, tcp, calls) =
+                    (r.bytes_sent(), r.bytes_received(), r.tcp_sent, r.calls);
             }
             let mut el = [el];
             comm.all_reduce_in_place(&mut el, ReduceOp::Max)?;
@@ -177,6 +182,7 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
         let per_call = [
             sent as f64 / calls.max(1) as f64,
             received as f64 / calls.max(1) as f64,
+            tcp as f64 / calls.max(1) as f64,
         ];
         let mut mean = per_call;
         comm.all_reduce_in_place(&mut mean, ReduceOp::Mean)?;
@@ -192,6 +198,7 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
             logical_bytes: (n * 4) as u64,
             wire_bytes_sent: mean[0].round() as u64,
             wire_bytes_received: mean[1].round() as u64,
+            tcp_bytes_sent: mean[2].round() as u64,
             reduction_vs_none: none_sent.map(|d| d as f64 / mean[0].max(1.0)),
             ms_per_call: times[times.len() / 2] * 1e3,
             rel_l2_error: if ref2 > 0.0 {
@@ -211,11 +218,12 @@ pub fn run(comm: &Communicator, o: &CompressionBenchOpts) -> Result<Vec<Compress
                 println!("{}", serde_json::to_string(&row).unwrap_or_default());
             } else {
                 println!(
-                    " {:>15} {:>12.1} {:>14.2} {:>14.2} {:>8} {:>10.1} {:>11.2e} {:>10.2e} {:>12.2e}",
+                    " {:>15} {:>12.1} {:>14.2} {:>14.2} {:>13.2} {:>8} {:>10.1} {:>11.2e} {:>10.2e} {:>12.2e}",
                     row.compressor,
                     mib(row.logical_bytes),
                     mib(row.wire_bytes_sent),
                     mib(row.wire_bytes_received),
+                    mib(row.tcp_bytes_sent),
                     row.reduction_vs_none
                         .map_or("-".into(), |r| format!("{r:.1}x")),
                     row.ms_per_call,

@@ -226,6 +226,8 @@ fn bench_compression_measures_every_compressor() {
     for r in &rows {
         assert_eq!(r["transport"], "tcp");
         assert!(r["ms_per_call"].as_f64().unwrap() > 0.0);
+        // every byte went over TCP
+        assert_eq!(r["tcp_bytes_sent"], r["wire_bytes_sent"], "{out}");
     }
     let (code, _, err) = hcomm(
         &[

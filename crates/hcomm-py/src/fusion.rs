@@ -1,14 +1,37 @@
 //! Gradient fusion for Python: tensors pushed one at a time as they become ready are packed
 //! into buckets (hcomm's `BucketPlanner`) whose all-reduces start at once on the progress
 //! engine; `finish` waits for them and unpacks. The Python side is `hcomm.Fusion`.
+//!
+//! With a compressor, each bucket is all-reduced with `all_reduce_compressed`, and keeps its
+//! compression state (residuals) from step to step, keyed by its members (positions in the
+//! step) and its size, as `hcomm::fusion::Fusion::with_compression` does.
 
-use crate::buffer::{buffer, Buf};
-use crate::errors::blocking;
+use crate::buffer::{buffer, dtype_name, Buf};
+use crate::errors::{blocking, to_pyerr};
 use hcomm::fusion::{Bucket, BucketPlanner, FusionOptions};
-use hcomm::{Communicator as Comm, ReduceOp};
+use hcomm::{Communicator as Comm, CompressionState, DType, ReduceOp};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+/// A bucket's identity from step to step: its members (positions in the step) and bytes.
+type StateKey = (Vec<usize>, usize);
+
+/// A stable hash of a bucket's identity, mixed into random-k's seed (the same on every rank;
+/// the same function as the library's fusion).
+fn key_hash(key: &StateKey) -> u64 {
+    key.0
+        .iter()
+        .chain(std::iter::once(&key.1))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &v| {
+            (h ^ v as u64).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// What a bucket's job hands back: the packed buffer (None when reduced in place) and the
+/// bucket's compression state.
+type BucketResult = (Option<Vec<u8>>, Option<(StateKey, CompressionState)>);
 
 struct Pushed {
     buf: Buf,
@@ -19,7 +42,7 @@ struct Pushed {
 struct Step {
     planner: BucketPlanner,
     tensors: Vec<Pushed>,
-    in_flight: Vec<(Bucket, hcomm::Work<Option<Vec<u8>>>)>,
+    in_flight: Vec<(Bucket, hcomm::Work<BucketResult>)>,
     launched: usize,
 }
 
@@ -30,14 +53,26 @@ pub struct PyFusion {
     op: ReduceOp,
     opts: FusionOptions,
     step: Mutex<Step>,
+    /// The state a new bucket starts from, when buckets are compressed (lossy compressors
+    /// only; `none` runs the plain all-reduce).
+    compression: Option<CompressionState>,
+    /// Each bucket's compression state between steps.
+    states: Mutex<HashMap<StateKey, CompressionState>>,
 }
 
 impl PyFusion {
-    pub fn new(comm: Arc<Comm>, op: ReduceOp, opts: FusionOptions) -> PyFusion {
+    pub fn new(
+        comm: Arc<Comm>,
+        op: ReduceOp,
+        opts: FusionOptions,
+        compression: Option<CompressionState>,
+    ) -> PyFusion {
         PyFusion {
             comm,
             op,
             opts,
+            compression: compression.filter(|s| s.compressor().is_lossy()),
+            states: Mutex::new(HashMap::new()),
             step: Mutex::new(Step {
                 planner: BucketPlanner::new(opts),
                 tensors: Vec::new(),
@@ -49,13 +84,32 @@ impl PyFusion {
 
     fn launch(&self, s: &mut Step, bucket: Bucket) {
         let (dtype, op) = (bucket.dtype, self.op);
+        let mut comp = self.compression.as_ref().map(|fresh| {
+            let key: StateKey = (bucket.members.clone(), bucket.bytes);
+            let state = self
+                .states
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&key)
+                .unwrap_or_else(|| fresh.clone().with_key(key_hash(&key)));
+            (key, state)
+        });
+        let reduce = move |c: &Comm,
+                           buf: &mut [u8],
+                           comp: &mut Option<(StateKey, CompressionState)>|
+              -> hcomm::Result<()> {
+            match comp {
+                Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
+                None => c.all_reduce_bytes(None, buf, dtype, op),
+            }
+        };
         let work = if bucket.direct {
             let b = s.tensors[bucket.members[0]].buf;
             self.comm.run_async("all_reduce", move |c| {
                 // SAFETY: the tensor is kept alive by the step (`Pushed::_owner`) until
                 // `finish` has waited for this job; the caller must not touch it meanwhile.
-                c.all_reduce_bytes(None, unsafe { b.bytes_mut() }, dtype, op)?;
-                Ok(None)
+                reduce(c, unsafe { b.bytes_mut() }, &mut comp)?;
+                Ok((None, comp))
             })
         } else {
             let mut buf = Vec::with_capacity(bucket.bytes);
@@ -64,8 +118,8 @@ impl PyFusion {
                 buf.extend_from_slice(unsafe { s.tensors[i].buf.bytes() });
             }
             self.comm.run_async("all_reduce", move |c| {
-                c.all_reduce_bytes(None, &mut buf, dtype, op)?;
-                Ok(Some(buf))
+                reduce(c, &mut buf, &mut comp)?;
+                Ok((Some(buf), comp))
             })
         };
         s.launched += 1;
@@ -77,9 +131,26 @@ impl PyFusion {
 impl PyFusion {
     /// Add a ready tensor (numpy array or CPU torch tensor); launches a bucket when this fills
     /// one. Do not touch the tensor until `finish` returns.
-    fn push(&self, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn push(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("fusion", "tensor", tensor, true)?;
         let mut s = self.step.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = &self.compression {
+            if b.dtype != DType::F32 {
+                return Err(to_pyerr(
+                    py,
+                    hcomm::Error::invalid(
+                        "fusion",
+                        0,
+                        format!(
+                            "compressor {} takes float32 tensors; tensor #{} of this step is {}",
+                            c.compressor(),
+                            s.tensors.len(),
+                            dtype_name(b.dtype)
+                        ),
+                    ),
+                ));
+            }
+        }
         if s.tensors.iter().any(|t| t.buf.overlaps(&b)) {
             return Err(PyValueError::new_err(
                 "fusion: this tensor's memory overlaps a tensor already pushed in this step",
@@ -134,10 +205,20 @@ impl PyFusion {
             ..
         } = step;
         let bufs: Vec<Buf> = tensors.iter().map(|t| t.buf).collect();
+        let states = &self.states;
         let r = blocking(py, move || {
             let mut first_err = None;
             for (bucket, work) in in_flight {
-                match work.wait() {
+                let result = work.wait().map(|(buf, comp)| {
+                    if let Some((key, state)) = comp {
+                        states
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(key, state);
+                    }
+                    buf
+                });
+                match result {
                     Ok(Some(packed)) => {
                         let mut off = 0;
                         for &i in &bucket.members {
@@ -160,10 +241,47 @@ impl PyFusion {
         r.map(|()| launched)
     }
 
+    /// The buckets' compressor (canonical string), or None when buckets are not compressed.
+    #[getter]
+    fn compressor(&self) -> Option<String> {
+        self.compression
+            .as_ref()
+            .map(|s| s.compressor().to_string())
+    }
+
+    /// Whether compressed buckets use error feedback (None without compression).
+    #[getter]
+    fn error_feedback(&self) -> Option<bool> {
+        self.compression.as_ref().map(|s| s.error_feedback())
+    }
+
+    /// Forget every bucket's compression state (residuals), e.g. when the model changes.
+    fn reset_compression(&self) {
+        self.states
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// (buckets with a compression state kept between steps, bytes their residuals hold).
+    fn compression_memory(&self) -> (usize, usize) {
+        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            states.len(),
+            states.values().map(|s| s.memory_bytes()).sum(),
+        )
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "<hcomm._hcomm.Fusion op={} cap_bytes={} first_bucket_bytes={} direct_bytes={}>",
-            self.op, self.opts.cap_bytes, self.opts.first_bucket_bytes, self.opts.direct_bytes
+            "<hcomm._hcomm.Fusion op={} cap_bytes={} first_bucket_bytes={} direct_bytes={} compressor={}>",
+            self.op,
+            self.opts.cap_bytes,
+            self.opts.first_bucket_bytes,
+            self.opts.direct_bytes,
+            self.compression
+                .as_ref()
+                .map_or("none".to_string(), |s| s.compressor().to_string())
         )
     }
 }

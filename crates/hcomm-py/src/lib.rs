@@ -7,11 +7,13 @@
 //! boundary. The Pythonic API (HCCL names, shapes, output allocation) is `python/hcomm/`.
 
 mod buffer;
+mod compression;
 mod errors;
 mod fusion;
 mod work;
 
-use buffer::{buffer, opt_buffer, same_dtype, Buf};
+use buffer::{buffer, dtype_name, opt_buffer, same_dtype, Buf};
+use compression::{parse_compressor, PyCompression};
 use errors::{blocking, to_pyerr};
 use fusion::PyFusion;
 use hcomm::fusion::FusionOptions;
@@ -526,21 +528,123 @@ impl PyComm {
         })
     }
 
-    /// Fused all-reduces on this communicator (see `hcomm.Fusion`).
-    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20))]
+    /// Fused all-reduces on this communicator (see `hcomm.Fusion`). With `compressor` (a
+    /// compressor string), every bucket is all-reduced compressed, each keeping its own
+    /// compression state (with error feedback unless `error_feedback` is false) from step to
+    /// step; `op` must then be sum or mean, and lossy compressors take float32 tensors only.
+    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20, compressor = None, error_feedback = true))]
+    #[allow(clippy::too_many_arguments)]
     fn fusion(
         &self,
+        py: Python<'_>,
         op: &str,
         cap_bytes: usize,
         first_bucket_bytes: usize,
         direct_bytes: usize,
+        compressor: Option<&str>,
+        error_feedback: bool,
     ) -> PyResult<PyFusion> {
         let opts = FusionOptions {
             cap_bytes,
             first_bucket_bytes,
             direct_bytes,
         };
-        Ok(PyFusion::new(self.comm.clone(), parse_op(op)?, opts))
+        let op = parse_op(op)?;
+        let compression = match compressor {
+            None => None,
+            Some(s) => {
+                let c = parse_compressor(py, "fusion", s)?;
+                if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                    return Err(to_pyerr(
+                        py,
+                        hcomm::Error::invalid(
+                            "fusion",
+                            0,
+                            format!("compressed buckets are summed or averaged; this fusion reduces with {op}"),
+                        ),
+                    ));
+                }
+                let state = hcomm::CompressionState::new(c)
+                    .map_err(|e| to_pyerr(py, e))?
+                    .with_error_feedback(error_feedback);
+                Some(state)
+            }
+        };
+        Ok(PyFusion::new(self.comm.clone(), op, opts, compression))
+    }
+
+    /// All-reduce `buf` (float32, in place) compressed with `state`'s compressor (see
+    /// `hcomm.CompressionState`); `op` is sum or mean. The operation always runs on the
+    /// progress engine (the blocking form waits for it), so that the state is used in issue
+    /// order. Errors: a dtype other than float32, another op, a state bound to another tensor
+    /// size (`InvalidArgumentError`).
+    #[pyo3(signature = (buf, state, op = "sum", async_op = false))]
+    fn all_reduce_compressed(
+        &self,
+        py: Python<'_>,
+        buf: &Bound<'_, PyAny>,
+        state: &Bound<'_, PyCompression>,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "all_reduce_compressed";
+        let op = parse_op(op)?;
+        let b = buffer(OP, "tensor", buf, true)?;
+        let st = state.get().state.clone();
+        if b.dtype != DType::F32 {
+            let c = state.get().with(py, |s| s.compressor());
+            return Err(to_pyerr(
+                py,
+                hcomm::Error::invalid(
+                    OP,
+                    0,
+                    format!(
+                        "tensor has dtype {}; compressed all-reduce takes float32 (compressor {c})",
+                        dtype_name(b.dtype)
+                    ),
+                ),
+            ));
+        }
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+            return Err(to_pyerr(
+                py,
+                hcomm::Error::invalid(
+                    OP,
+                    0,
+                    format!("compressed all-reduce sums or averages; got op {op}"),
+                ),
+            ));
+        }
+        let objects = keep(&[Some(buf), Some(state.as_any())]);
+        let w = work::submit(&self.comm, OP, objects, move |c| {
+            // Locked on the engine, in this operation's turn (a lock taken on the caller's
+            // thread before the turn could wait for an earlier operation on the same state).
+            let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `buf` is kept alive by the Work until this job ends; nothing else views
+            // it meanwhile (the caller must not touch it before wait()).
+            unsafe { c.all_reduce_compressed_bytes(b.bytes_mut(), b.dtype, op, &mut s) }
+        });
+        if async_op {
+            return Ok(Some(w));
+        }
+        w.wait(py, None)?;
+        Ok(None)
+    }
+
+    /// Bytes this rank moved per kind of operation since the communicator was made or
+    /// `reset_traffic()` last ran: a list of (op, calls, tcp_sent, tcp_received, shm_written,
+    /// shm_read).
+    fn traffic(&self, py: Python<'_>) -> PyResult<Vec<compression::TrafficRow>> {
+        compression::traffic(py, &self.comm)
+    }
+
+    /// Zero the byte counters of `traffic()`.
+    fn reset_traffic(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self.comm.clone();
+        blocking(py, move || {
+            c.reset_traffic();
+            Ok(())
+        })
     }
 
     /// Open a connection to `peer` under `tag` (both ranks call it with each other's rank).
@@ -844,6 +948,7 @@ fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySharedMemory>()?;
     m.add_class::<PyWork>()?;
     m.add_class::<PyFusion>()?;
+    m.add_class::<PyCompression>()?;
     m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_size, m)?)?;

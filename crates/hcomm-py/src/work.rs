@@ -89,7 +89,7 @@ impl PyWork {
     /// in flight then (it goes on; wait again). Raises the operation's error if it failed, on
     /// every call.
     #[pyo3(signature = (timeout = None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+    pub fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let limit = match timeout {
             None => None,
             Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
