@@ -49,13 +49,31 @@ where
     R: Send,
     F: Fn(Communicator) -> Result<R> + Sync,
 {
+    run_threads_with(n, TransportKind::Auto, timeout, f)
+}
+
+/// [`run_threads`] with the ranks' transport forced to `transport`.
+pub fn run_threads_with<R, F>(
+    n: usize,
+    transport: TransportKind,
+    timeout: Duration,
+    f: F,
+) -> Vec<Result<R>>
+where
+    R: Send,
+    F: Fn(Communicator) -> Result<R> + Sync,
+{
     let port = free_port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
                 let f = &f;
                 s.spawn(move || {
-                    Communicator::from_config(&local_config(r, n, port, timeout)).and_then(f)
+                    let cfg = BootstrapConfig {
+                        transport,
+                        ..local_config(r, n, port, timeout)
+                    };
+                    Communicator::from_config(&cfg).and_then(f)
                 })
             })
             .collect();
@@ -64,6 +82,15 @@ where
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
+}
+
+/// Every rank's value, panicking with the rank and its error if one failed (for tests).
+pub fn expect_all<R>(results: Vec<Result<R>>) -> Vec<R> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
 }
 
 /// Like [`run_threads`], with rank `r` claiming to be on host `hosts[r]` (as `HCOMM_HOST_ID`

@@ -4,7 +4,7 @@
 //! Ranks are threads of this process.
 
 use hcomm::config::TransportKind;
-use hcomm::testing::{free_port, local_config};
+use hcomm::testing::{expect_all, run_threads_with};
 use hcomm::{Communicator, Error, ReduceOp, Work};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,30 +17,7 @@ where
     R: Send,
     F: Fn(Arc<Communicator>) -> hcomm::Result<R> + Sync,
 {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || {
-                    let cfg = hcomm::BootstrapConfig {
-                        transport,
-                        ..local_config(r, n, port, timeout)
-                    };
-                    Communicator::from_config(&cfg).and_then(|c| f(Arc::new(c)))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(r, h)| {
-                h.join()
-                    .expect("rank thread panicked")
-                    .unwrap_or_else(|e| panic!("rank {r}: {e}"))
-            })
-            .collect()
-    })
+    expect_all(run_threads_with(n, transport, timeout, |c| f(Arc::new(c))))
 }
 
 const TRANSPORTS: [TransportKind; 2] = [TransportKind::Tcp, TransportKind::Auto];

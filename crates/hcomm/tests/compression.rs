@@ -10,7 +10,7 @@ use hcomm::compress::{
 };
 use hcomm::config::TransportKind;
 use hcomm::fusion::{plan_buckets, Fusion, FusionOptions, TensorMut};
-use hcomm::testing::{free_port, local_config};
+use hcomm::testing::{expect_all, run_threads_with};
 use hcomm::{Communicator, OpTraffic};
 use hcomm::{CompressionState, Compressor, DType, Density, Error, ReduceOp};
 use proptest::prelude::*;
@@ -24,29 +24,8 @@ fn ranks<R: Send, F>(n: usize, transport: TransportKind, f: F) -> Vec<R>
 where
     F: Fn(Arc<Communicator>) -> hcomm::Result<R> + Sync,
 {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || {
-                    let cfg = hcomm::BootstrapConfig {
-                        transport,
-                        ..local_config(r, n, port, Duration::from_secs(60))
-                    };
-                    Communicator::from_config(&cfg).and_then(|c| f(Arc::new(c)))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .enumerate()
-            .map(|(r, h)| {
-                h.join()
-                    .unwrap()
-                    .unwrap_or_else(|e| panic!("rank {r}: {e}"))
-            })
-            .collect()
-    })
+    let t = Duration::from_secs(60);
+    expect_all(run_threads_with(n, transport, t, |c| f(Arc::new(c))))
 }
 
 /// Rank `rank`'s gradient for `step`: magnitudes varying by region over six decades, signs

@@ -4,7 +4,7 @@
 use half::bf16;
 use hcomm::config::TransportKind;
 use hcomm::fusion::{Fusion, FusionOptions, TensorMut};
-use hcomm::testing::{free_port, local_config};
+use hcomm::testing::{expect_all, run_threads_with};
 use hcomm::{Communicator, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,26 +13,8 @@ fn ranks<F>(n: usize, transport: TransportKind, f: F)
 where
     F: Fn(Arc<Communicator>) -> hcomm::Result<()> + Sync,
 {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || {
-                    let cfg = hcomm::BootstrapConfig {
-                        transport,
-                        ..local_config(r, n, port, Duration::from_secs(30))
-                    };
-                    Communicator::from_config(&cfg).and_then(|c| f(Arc::new(c)))
-                })
-            })
-            .collect();
-        for (r, h) in hs.into_iter().enumerate() {
-            h.join()
-                .unwrap()
-                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        }
-    });
+    let t = Duration::from_secs(30);
+    expect_all(run_threads_with(n, transport, t, |c| f(Arc::new(c))));
 }
 
 /// A model's worth of gradients: mixed sizes (0, 1, odd, large) and three dtypes.

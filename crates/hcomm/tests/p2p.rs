@@ -1,18 +1,11 @@
 //! Point-to-point, signals, connections, sub-communicators and error behaviour, with ranks as
 //! threads over loopback TCP.
 
-use hcomm::testing::run_threads;
+use hcomm::testing::{expect_all as all_ok, run_threads};
 use hcomm::{Error, ReduceOp};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
-
-fn all_ok<R: std::fmt::Debug>(res: Vec<hcomm::Result<R>>) -> Vec<R> {
-    res.into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect()
-}
 
 #[test]
 fn tags_match_whatever_the_posting_order() {
@@ -603,7 +596,7 @@ fn abort_and_poisoning_reach_the_hierarchical_path() {
 #[test]
 fn every_kind_of_collective_mismatch_is_reported_with_both_calls() {
     use hcomm::config::TransportKind;
-    use hcomm::testing::{free_port, local_config};
+    use hcomm::testing::run_threads_with;
     type Call = fn(&hcomm::Communicator) -> hcomm::Result<()>;
     let ar_sum: Call = |c| c.all_reduce_in_place(&mut [1f32; 8], ReduceOp::Sum);
     let cases: Vec<(&str, Call, Call, [&str; 2])> = vec![
@@ -672,23 +665,15 @@ fn every_kind_of_collective_mismatch_is_reported_with_both_calls() {
     let mut reported = 0;
     for transport in [TransportKind::Tcp, TransportKind::Auto] {
         for (kind, call0, call1, want) in &cases {
-            let port = free_port();
-            let errs: Vec<Error> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..2)
-                    .map(|r| {
-                        s.spawn(move || {
-                            let cfg = hcomm::BootstrapConfig {
-                                transport,
-                                ..local_config(r, 2, port, Duration::from_secs(10))
-                            };
-                            let c = hcomm::Communicator::from_config(&cfg).unwrap();
-                            let e = if r == 0 { call0(&c) } else { call1(&c) };
-                            e.expect_err(&format!("{transport:?} {kind}: a mismatch must fail"))
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let errs: Vec<Error> = all_ok(run_threads_with(
+                2,
+                transport,
+                Duration::from_secs(10),
+                |c| {
+                    let e = if c.rank() == 0 { call0(&c) } else { call1(&c) };
+                    Ok(e.expect_err(&format!("{transport:?} {kind}: a mismatch must fail")))
+                },
+            ));
             for (r, e) in errs.iter().enumerate() {
                 let msg = e.to_string();
                 match e {

@@ -8,7 +8,11 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
+
+mod common;
+
+use common::{assert_all_ok, is_worker, wait_all};
 use std::time::{Duration, Instant};
 
 use hcomm::auth::{self, HandshakeError, Hello, JobToken, Local, Role, HELLO_LEN};
@@ -17,96 +21,19 @@ use hcomm::{Communicator, Error, ReduceOp};
 const TOKEN: &str = "0123456789abcdef-security-test-token";
 const OTHER_TOKEN: &str = "0123456789abcdef-not-the-job-token";
 
-/// Launch variables a test's parent environment might hold; every rank starts without them.
-const CLEARED: &[&str] = &[
-    "HCOMM_RANK",
-    "HCOMM_WORLD_SIZE",
-    "HCOMM_LOCAL_RANK",
-    "HCOMM_LOCAL_WORLD_SIZE",
-    "HCOMM_MASTER_ADDR",
-    "HCOMM_MASTER_PORT",
-    "HCOMM_RANK_TABLE",
-    "HCOMM_JOB_TOKEN",
-    "HCOMM_TOKEN_FILE",
-    "RANK",
-    "WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-];
-
-fn is_worker() -> bool {
-    std::env::var_os("HCOMM_TEST_WORKER").is_some()
-}
-
-/// Start `n` copies of this test binary running only `test`, rank `r` with `env(r)`.
+/// Start `n` copies of this test binary running only `test` as ranks of one job on this
+/// host (rendezvous on 127.0.0.1, 30 s deadline), rank `r` with `env(r)` added.
 fn spawn(test: &str, n: usize, env: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Child> {
-    (0..n)
-        .map(|r| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
-            for v in CLEARED {
-                cmd.env_remove(v);
-            }
-            cmd.env("HCOMM_TEST_WORKER", "1")
-                .env("HCOMM_TIMEOUT", "30s")
-                .env("HCOMM_RANK", r.to_string())
-                .env("HCOMM_WORLD_SIZE", n.to_string())
-                .env("HCOMM_MASTER_ADDR", "127.0.0.1");
-            for (k, v) in env(r) {
-                cmd.env(k, v);
-            }
-            cmd.stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
-}
-
-/// Wait for every child (killing all of them after `limit`); returns (exit code, output).
-fn wait_all(mut kids: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
-    let start = Instant::now();
-    let mut codes: Vec<Option<Option<i32>>> = vec![None; kids.len()];
-    while codes.iter().any(|c| c.is_none()) {
-        for (i, k) in kids.iter_mut().enumerate() {
-            if codes[i].is_none() {
-                if let Some(st) = k.try_wait().unwrap() {
-                    codes[i] = Some(st.code());
-                }
-            }
-        }
-        if start.elapsed() > limit {
-            for (i, k) in kids.iter_mut().enumerate() {
-                if codes[i].is_none() {
-                    let _ = k.kill();
-                    codes[i] = Some(k.wait().unwrap().code());
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    kids.iter_mut()
-        .zip(codes)
-        .map(|(k, c)| {
-            let mut out = String::new();
-            k.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-            k.stderr.take().unwrap().read_to_string(&mut out).unwrap();
-            (c.unwrap(), out)
-        })
-        .collect()
-}
-
-fn assert_all_ok(results: &[(Option<i32>, String)]) {
-    for (r, (code, out)) in results.iter().enumerate() {
-        assert_eq!(*code, Some(0), "rank {r} failed:\n{out}");
-        assert!(out.contains("WORKER OK"), "rank {r} did not finish:\n{out}");
-    }
+    common::spawn(test, n, |r| {
+        let mut v = vec![
+            ("HCOMM_TIMEOUT".to_string(), "30s".to_string()),
+            ("HCOMM_RANK".to_string(), r.to_string()),
+            ("HCOMM_WORLD_SIZE".to_string(), n.to_string()),
+            ("HCOMM_MASTER_ADDR".to_string(), "127.0.0.1".to_string()),
+        ];
+        v.extend(env(r));
+        v
+    })
 }
 
 /// All-reduce (small and large), a point-to-point ring and a split, checking every result.

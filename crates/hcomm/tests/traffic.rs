@@ -3,7 +3,7 @@
 //! all-reduce counted as one operation.
 
 use hcomm::config::TransportKind;
-use hcomm::testing::{free_port, local_config, run_threads_on_hosts};
+use hcomm::testing::{expect_all, run_threads_on_hosts, run_threads_with};
 use hcomm::transport::frame::HEADER_LEN;
 use hcomm::{Algo, Collective, Communicator, OpTraffic, ReduceOp};
 use std::time::Duration;
@@ -12,29 +12,7 @@ fn ranks<R: Send, F>(n: usize, transport: TransportKind, f: F) -> Vec<R>
 where
     F: Fn(Communicator) -> hcomm::Result<R> + Sync,
 {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || {
-                    let cfg = hcomm::BootstrapConfig {
-                        transport,
-                        ..local_config(r, n, port, Duration::from_secs(30))
-                    };
-                    Communicator::from_config(&cfg).and_then(f)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .enumerate()
-            .map(|(r, h)| {
-                h.join()
-                    .unwrap()
-                    .unwrap_or_else(|e| panic!("rank {r}: {e}"))
-            })
-            .collect()
-    })
+    expect_all(run_threads_with(n, transport, Duration::from_secs(30), f))
 }
 
 fn row<'a>(t: &'a [OpTraffic], op: &str) -> &'a OpTraffic {
