@@ -438,6 +438,22 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
     }
 }
 
+/// A finite number above zero (the benchmark and simulator options that scale things).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// The exit code of a benchmark run on this rank: its error, if any, said with the rank.
+fn bench_exit<T>(what: &str, rank: usize, r: hcomm::Result<T>) -> ExitCode {
+    match r {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            hcomm_cli::say!("{what}: rank {rank}: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// Join the job from the environment, with `--transport` applied.
 fn join_for_bench(transport: &str) -> Result<Communicator, String> {
     let kind: hcomm::config::TransportKind = transport
@@ -460,7 +476,6 @@ fn join_for_bench(transport: &str) -> Result<Communicator, String> {
 }
 
 fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
-    let positive = |x: f64| x.is_finite() && x > 0.0;
     if !positive(a.scale) || !a.caps.iter().all(|&c| positive(c)) {
         hcomm_cli::say!("hcomm bench fusion: --scale and --caps must be positive");
         return ExitCode::from(2);
@@ -478,18 +493,15 @@ fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
         scale: a.scale,
         json: a.json,
     };
-    match hcomm_cli::fusion_bench::run(&comm, &o) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            hcomm_cli::say!("hcomm bench fusion: rank {}: {e}", comm.rank());
-            ExitCode::from(1)
-        }
-    }
+    bench_exit(
+        "hcomm bench fusion",
+        comm.rank(),
+        hcomm_cli::fusion_bench::run(&comm, &o),
+    )
 }
 
 fn cmd_simulate(a: SimulateArgs) -> ExitCode {
     use hcomm_cli::simulate::{predict, Model};
-    let positive = |x: f64| x.is_finite() && x > 0.0;
     if a.ranks_per_host == 0
         || a.hosts == 0
         || ![a.net_gbit, a.mem_gbs, a.reduce_gbs]
@@ -566,13 +578,11 @@ fn cmd_bench_compression(a: BenchArgs) -> ExitCode {
         error_feedback: !a.no_error_feedback,
         json: a.json,
     };
-    match hcomm_cli::compression_bench::run(&comm, &o) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            hcomm_cli::say!("hcomm bench compression: rank {}: {e}", comm.rank());
-            ExitCode::from(1)
-        }
-    }
+    bench_exit(
+        "hcomm bench compression",
+        comm.rank(),
+        hcomm_cli::compression_bench::run(&comm, &o),
+    )
 }
 
 fn cmd_bench(a: BenchArgs) -> ExitCode {

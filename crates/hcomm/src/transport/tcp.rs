@@ -1017,8 +1017,7 @@ impl TcpLinks {
             // unread behind the data (a send error is seen before it).
             let peer = *peer;
             if let Some(h) = self.inb[peer].as_mut().and_then(next_abort) {
-                let reason = crate::error::AbortReason::from_u8(h.tag as u8);
-                let culprit = (h.root != u32::MAX).then_some(h.root as usize);
+                let (reason, culprit) = abort_notice(&h);
                 r = Err(reason.remote_error(ctx.clone(), peer, culprit));
             }
         }
@@ -1278,7 +1277,7 @@ impl TcpLinks {
                 // Bounded by the grace period even when a peer keeps sending data.
                 while Instant::now() < end {
                     let Some(h) = next_abort(inb) else { break };
-                    let c = (h.root != u32::MAX).then_some(h.root as usize);
+                    let c = abort_notice(&h).1;
                     if c.is_some() && c != Some(self.rank) && c != culprit {
                         better = c;
                     }
@@ -1297,9 +1296,11 @@ impl TcpLinks {
     /// best effort and without blocking: a peer waiting on this rank then fails at once, with
     /// the cause, instead of at its deadline. Links with a partly sent frame are skipped.
     pub fn send_abort(&mut self, seq: u64, culprit: Option<usize>, reason: u8) {
-        let mut h = Header::new(Kind::Abort, reason as u32, 0);
-        h.root = culprit.map_or(u32::MAX, |c| c as u32);
-        h.seq = seq;
+        let h = Header {
+            root: culprit.map_or(u32::MAX, |c| c as u32),
+            seq,
+            ..Header::new(Kind::Abort, reason as u32, 0)
+        };
         let bytes = h.encode();
         for inb in self.inb.iter_mut().flatten() {
             if inb.out_mid_frame || inb.eof {
@@ -1526,8 +1527,7 @@ impl TcpLinks {
                     }
                 }
                 Kind::Abort => {
-                    let reason = crate::error::AbortReason::from_u8(hdr.tag as u8);
-                    let mut culprit = (hdr.root != u32::MAX).then_some(hdr.root as usize);
+                    let (reason, mut culprit) = abort_notice(&hdr);
                     if culprit == Some(self.rank) {
                         // Blamed while waiting for someone else: the blame passes on to the
                         // rank this one waits for (along the chain to the real cause).
@@ -1640,6 +1640,14 @@ fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<b
         }
         Err(e) => Err(peer_io_error(ctx, peer, e)),
     }
+}
+
+/// The reason and the blamed rank an abort notice carries (see [`Kind::Abort`]).
+fn abort_notice(h: &Header) -> (crate::error::AbortReason, Option<usize>) {
+    (
+        crate::error::AbortReason::from_u8(h.tag as u8),
+        (h.root != u32::MAX).then_some(h.root as usize),
+    )
 }
 
 /// The next abort notice readable on a failed link without blocking, discarding every other
