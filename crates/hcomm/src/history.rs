@@ -20,8 +20,8 @@ pub struct OpRecord {
     pub seq: u64,
     /// How long it took.
     pub took: Duration,
-    /// `ok`, or the error it ended with.
-    pub outcome: String,
+    /// The error it ended with; `None` when it succeeded (no allocation per operation).
+    pub error: Option<String>,
 }
 
 #[derive(Debug)]
@@ -58,10 +58,7 @@ impl History {
             op: ctx.op,
             seq: ctx.seq,
             took: start.elapsed(),
-            outcome: match outcome {
-                Ok(()) => "ok".to_string(),
-                Err(e) => e.to_string(),
-            },
+            error: outcome.err().map(|e| e.to_string()),
         });
         report
     }
@@ -84,7 +81,7 @@ impl History {
                 r.op,
                 r.seq,
                 r.took.as_secs_f64() * 1e3,
-                r.outcome
+                r.error.as_deref().unwrap_or("ok")
             ));
         }
         if let Error::Timeout { peers, .. } = e {
