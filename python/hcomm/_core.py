@@ -848,6 +848,81 @@ class Communicator:
         state run in issue order)."""
         return self._all_reduce_compressed(tensor, compressor, state, op, True)
 
+    # -- sparse ----------------------------------------------------------------------------
+
+    def _sparse_all_reduce(self, tensor: Any, values: Any, op: str, a: bool) -> Any:
+        name = "sparse_all_reduce"
+        coo = values is None and _is_torch(tensor) and getattr(tensor, "is_sparse", False)
+        if coo:
+            import torch
+
+            t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+            if t.sparse_dim() != 1:
+                raise ValueError(
+                    f"{name}: a sparse tensor with {t.sparse_dim()} sparse dimensions; only row-sparse "
+                    "tensors (sparse_dim 1, e.g. an nn.Embedding(sparse=True) gradient) are supported"
+                )
+            indices, values = t.indices()[0].contiguous(), t.values().contiguous()
+            dense_shape = tuple(t.shape)
+        else:
+            if values is None:
+                raise TypeError(f"{name}: give (indices, values), or one sparse torch tensor")
+            indices = tensor
+            _check_tensor(name, "indices", indices)
+            _check_tensor(name, "values", values)
+            if len(_shape(indices)) != 1:
+                raise ValueError(f"{name}: indices must be 1-D, got shape {_shape(indices)}")
+        vshape = _shape(values)
+        rows = _shape(indices)[0]
+        if not vshape or vshape[0] != rows:
+            raise ValueError(
+                f"{name}: values have shape {vshape}; expected one row per index ({rows} rows first)"
+            )
+        row_shape = vshape[1:]
+        row_len = 1
+        for d in row_shape:
+            row_len *= d
+        engine, holder = self._c.sparse_all_reduce(indices, values, row_len, op, a)
+
+        def result() -> Any:
+            ib, vb = holder.take()
+            if _is_torch(values):
+                import torch
+
+                idx = torch.frombuffer(ib, dtype=torch.int64) if len(ib) else torch.empty(0, dtype=torch.int64)
+                val = (torch.frombuffer(vb, dtype=values.dtype) if len(vb) else torch.empty(0, dtype=values.dtype))
+                val = val.reshape((idx.shape[0],) + row_shape)
+                if coo:
+                    return torch.sparse_coo_tensor(idx.unsqueeze(0), val, dense_shape, is_coalesced=True)
+                return idx, val
+            import numpy as np
+
+            idx = np.frombuffer(ib, dtype=np.int64)
+            val = np.frombuffer(vb, dtype=values.dtype).reshape((idx.shape[0],) + row_shape)
+            return idx, val
+
+        return self._finish(engine, None, (), result)
+
+    def sparse_all_reduce(self, indices: Any, values: Any = None, op: str = "sum") -> Any:
+        """Sum (``op="sum"``) or average (``"mean"``) a row-sparse tensor over all ranks,
+        moving only the rows each rank has (an all-gather of (index, row) pairs, as Gloo and
+        Horovod do for sparse gradients): much less than a dense all-reduce while the ranks'
+        rows are a small part of the table.
+
+        Give `indices` (1-D int64) and `values` (one row per index: shape ``(len(indices),
+        ...)``), numpy or torch; returns ``(indices, values)`` of the reduced tensor, indices
+        ascending and unique, repeated indices summed, identical bits on every rank. Or give one
+        torch sparse COO tensor with one sparse dimension (an ``nn.Embedding(sparse=True)``
+        gradient); returns a coalesced sparse tensor of the same shape. Rows a rank lacks count
+        as zero (``mean`` divides by the world size). Row shape and dtype must agree across
+        ranks; the number of rows may differ."""
+        return self._sparse_all_reduce(indices, values, op, False)
+
+    def sparse_all_reduce_async(self, indices: Any, values: Any = None, op: str = "sum") -> Work:
+        """:meth:`sparse_all_reduce` in the background (the inputs are copied when it is
+        issued); ``wait()`` returns the result."""
+        return self._sparse_all_reduce(indices, values, op, True)
+
     def traffic(self) -> "list[Traffic]":
         """Bytes this rank moved per kind of operation (``all_reduce``,
         ``all_reduce_compressed``, ``broadcast``, ...) since the communicator was made or
@@ -1259,6 +1334,18 @@ def AllReduceCompressedAsync(tensor: Any, compressor: Optional[str] = None, stat
     return _get().all_reduce_compressed_async(tensor, compressor, state, op)
 
 
+def SparseAllReduce(indices: Any, values: Any = None, op: str = "sum") -> Any:
+    """Sum or average a row-sparse tensor (indices + rows, or a torch sparse COO tensor) over
+    the default communicator's ranks, moving only the rows; see
+    :meth:`Communicator.sparse_all_reduce`."""
+    return _get().sparse_all_reduce(indices, values, op)
+
+
+def SparseAllReduceAsync(indices: Any, values: Any = None, op: str = "sum") -> Work:
+    """:func:`SparseAllReduce` in the background; ``wait()`` returns the result."""
+    return _get().sparse_all_reduce_async(indices, values, op)
+
+
 def GetTraffic() -> "list[Traffic]":
     """Bytes the default communicator moved per kind of operation; see
     :meth:`Communicator.traffic`."""
@@ -1371,6 +1458,8 @@ all_reduce_coalesced = AllReduceCoalesced
 create_fusion = CreateFusion
 all_reduce_compressed = AllReduceCompressed
 all_reduce_compressed_async = AllReduceCompressedAsync
+sparse_all_reduce = SparseAllReduce
+sparse_all_reduce_async = SparseAllReduceAsync
 get_traffic = GetTraffic
 reset_traffic = ResetTraffic
 traffic = GetTraffic

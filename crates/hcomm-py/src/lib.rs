@@ -10,6 +10,7 @@ mod buffer;
 mod compression;
 mod errors;
 mod fusion;
+mod sparse;
 mod work;
 
 use buffer::{buffer, dtype_name, opt_buffer, same_dtype, Buf};
@@ -20,6 +21,7 @@ use hcomm::fusion::FusionOptions;
 use hcomm::{Communicator as Comm, DType, ReduceOp};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use sparse::PySparseResult;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use work::PyWork;
@@ -631,6 +633,51 @@ impl PyComm {
         Ok(None)
     }
 
+    /// Sparse all-reduce of a row-sparse tensor: `indices` (int64, one per row) and `values`
+    /// (`len(indices) * row_len` elements, row after row); `op` is sum or mean. The inputs are
+    /// copied at the call. Returns (Work or None, result holder): the holder's `take()` gives
+    /// the reduced rows once the operation has completed.
+    #[pyo3(signature = (indices, values, row_len, op = "sum", async_op = false))]
+    fn sparse_all_reduce(
+        &self,
+        py: Python<'_>,
+        indices: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        row_len: usize,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<(Option<PyWork>, PySparseResult)> {
+        const OP: &str = "sparse_all_reduce";
+        let op = parse_op(op)?;
+        let ib = buffer(OP, "indices", indices, false)?;
+        let vb = buffer(OP, "values", values, false)?;
+        if ib.dtype != DType::I64 {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{OP}: indices have dtype {}, expected int64",
+                dtype_name(ib.dtype)
+            )));
+        }
+        // SAFETY: both objects are borrowed for this call, and only read here.
+        let (idx, vals): (Vec<i64>, Vec<u8>) = unsafe {
+            (
+                ib.bytes()
+                    .chunks_exact(8)
+                    .map(|b| i64::from_ne_bytes(b.try_into().expect("8 bytes")))
+                    .collect(),
+                vb.bytes().to_vec(),
+            )
+        };
+        let dtype = vb.dtype;
+        let slot = Arc::new(Mutex::new(None));
+        let out = slot.clone();
+        let work = self.dispatch(py, OP, async_op, Vec::new(), move |c| {
+            let rows = c.sparse_all_reduce_bytes(&idx, &vals, row_len, dtype, op)?;
+            *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(rows);
+            Ok(())
+        })?;
+        Ok((work, PySparseResult { slot }))
+    }
+
     /// Bytes this rank moved per kind of operation since the communicator was made or
     /// `reset_traffic()` last ran: a list of (op, calls, tcp_sent, tcp_received, shm_written,
     /// shm_read).
@@ -949,6 +996,7 @@ fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWork>()?;
     m.add_class::<PyFusion>()?;
     m.add_class::<PyCompression>()?;
+    m.add_class::<PySparseResult>()?;
     m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_size, m)?)?;
