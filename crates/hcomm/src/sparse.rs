@@ -42,11 +42,8 @@ impl<T: Element> SparseRows<T> {
     pub fn add_to_dense(&self, dense: &mut [T]) -> Result<()> {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(dense);
         let row_bytes = self.row_len * T::DTYPE.size();
-        let rows = if row_bytes == 0 {
-            0
-        } else {
-            bytes.len() / row_bytes
-        };
+        // rows of zero elements: every index fits (nothing is written)
+        let rows = bytes.len().checked_div(row_bytes).unwrap_or(usize::MAX);
         if let Some(&idx) = self.indices.iter().find(|&&i| i < 0 || i as usize >= rows) {
             return Err(Error::invalid(
                 "add_to_dense",
