@@ -15,8 +15,15 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                the optimizer step
   compressed:C overlap, each bucket compressed with C (fp16, int8, topk:1%, ...; error
                feedback on)
+  sparse       overlap, except the token embedding: its gradient is sparse (only the rows of
+               the batch's tokens; nn.Embedding(sparse=True)) and goes through one
+               sparse_all_reduce (an all-gather of rows) instead of a dense all-reduce of
+               the whole table; exact, like overlap
   ddp-hcomm    torch DistributedDataParallel on the "hcomm" torch.distributed backend
   ddp-gloo     torch DistributedDataParallel on gloo
+  ddp-hcomm-sparse, ddp-gloo-sparse
+               DDP with the sparse token embedding of `sparse` (each backend's sparse
+               all-reduce; the gradient is made dense for AdamW after backward)
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -50,9 +57,11 @@ import torch.distributed as dist
 import hcomm
 import hcomm.torch  # noqa: F401  (registers the "hcomm" backend)
 
-MODES = ("local", "naive", "fused", "overlap", "compressed", "ddp-hcomm", "ddp-gloo")
-DEFAULT_MODES = "local,naive,fused,overlap,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-gloo"
+MODES = ("local", "naive", "fused", "overlap", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse")
+DEFAULT_MODES = "local,naive,fused,overlap,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,ddp-gloo,ddp-gloo-sparse"
 TAG = "TRAIN_DDP_RESULT "
+#: modes that wait for communication after backward (DDP waits inside it)
+WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "compressed", "sparse")
 
 
 def parse_args(argv=None):
@@ -104,7 +113,9 @@ def parse_args(argv=None):
     return a
 
 
-def build_model(a):
+def build_model(a, sparse=False):
+    """The encoder; with `sparse`, the token embedding's gradient is a sparse tensor (the rows
+    of the batch's tokens). The initial weights do not depend on `sparse`."""
     nn = torch.nn
 
     class Encoder(nn.Module):
@@ -113,7 +124,7 @@ def build_model(a):
         def __init__(self):
             super().__init__()
             d = a.hidden
-            self.tok = nn.Embedding(a.vocab, d)
+            self.tok = nn.Embedding(a.vocab, d, sparse=sparse)
             self.pos = nn.Embedding(a.seq, d)
             self.norm = nn.LayerNorm(d)
             self.drop = nn.Dropout(a.dropout)
@@ -164,16 +175,18 @@ class Trainer:
         self.a, self.mode, self.comm = a, mode, comm
         self.base, _, compressor = mode.partition(":")
         torch.manual_seed(a.seed)  # identical initial weights on every rank and in every mode
-        self.model = build_model(a)
+        self.sparse = self.base in ("sparse", "ddp-hcomm-sparse", "ddp-gloo-sparse")
+        self.model = build_model(a, sparse=self.sparse)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         mb = 1 << 20
         self.net = self.model
-        if self.base == "ddp-hcomm":
+        if self.base in ("ddp-hcomm", "ddp-hcomm-sparse"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
-        elif self.base == "ddp-gloo":
+        elif self.base in ("ddp-gloo", "ddp-gloo-sparse"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
         self.fusion = None
-        if self.base in ("overlap", "compressed"):
+        self.sparse_work = None
+        if self.base in ("overlap", "compressed", "sparse"):
             self.fusion = comm.fusion(
                 op="mean",
                 cap_bytes=int(a.bucket_mb * mb),
@@ -184,7 +197,10 @@ class Trainer:
             )
             fusion = self.fusion
             for p in self.params:  # each gradient starts its bucket's all-reduce as it is ready
-                p.register_post_accumulate_grad_hook(lambda p: fusion.push(p.grad))
+                if self.sparse and p is self.model.tok.weight:
+                    p.register_post_accumulate_grad_hook(self.launch_sparse)
+                else:
+                    p.register_post_accumulate_grad_hook(lambda p: fusion.push(p.grad))
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=a.lr)
         self.lossf = torch.nn.CrossEntropyLoss()
         self.data = make_data(a, rank)
@@ -197,12 +213,18 @@ class Trainer:
         self.sent, self.tcp, self.link = [], [], []
         self.buckets = 0
 
+    def launch_sparse(self, p):
+        """The token embedding's sparse gradient, ready: start its sparse all-reduce (the
+        rows of every rank's tokens, averaged) on hcomm's engine, after the buckets launched
+        before it."""
+        self.sparse_work = self.comm.sparse_all_reduce_async(p.grad, op="mean")
+
     def step(self, i):
         a, params, comm = self.a, self.params, self.comm
         x, y = self.data[i]
         torch.set_rng_state(self.rng)
         mb = 1 << 20
-        before = comm.traffic() if self.base not in ("local", "ddp-gloo") else None
+        before = comm.traffic() if self.base not in ("local", "ddp-gloo", "ddp-gloo-sparse") else None
         link0 = iface_tx_bytes(a.link_iface)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
@@ -216,6 +238,11 @@ class Trainer:
             comm.all_reduce_coalesced([p.grad for p in params], op="mean", cap_bytes=int(a.bucket_mb * mb))
         elif self.fusion is not None:
             self.buckets = self.fusion.finish()  # waits for the buckets launched during backward
+        if self.sparse_work is not None:
+            self.model.tok.weight.grad = self.sparse_work.wait().to_dense()  # AdamW takes dense
+            self.sparse_work = None
+        elif self.base in ("ddp-hcomm-sparse", "ddp-gloo-sparse"):
+            self.model.tok.weight.grad = self.model.tok.weight.grad.to_dense()
         tc = time.perf_counter()
         self.opt.step()
         t1 = time.perf_counter()
@@ -268,7 +295,7 @@ def summarize(a, mode, every, world):
     hosts = {r["host"]: r["link"] for r in every if r["link"] is not None and r["local_rank"] == 0}
     step_s = statistics.median(per_step)
     link_per_step = statistics.mean(hosts.values()) / n if hosts else None
-    uses_hcomm = base not in ("local", "ddp-gloo")
+    uses_hcomm = base not in ("local", "ddp-gloo", "ddp-gloo-sparse")
     return {
         "mode": mode,
         "label": a.label,
@@ -281,8 +308,8 @@ def summarize(a, mode, every, world):
         "step_ms": step_s * 1e3,
         "step_ms_min": min(per_step) * 1e3,
         "step_ms_max": max(per_step) * 1e3,
-        "wait_ms": statistics.median(wait_step) * 1e3 if base in ("naive", "fused", "overlap", "compressed") else None,
-        "wait_ms_at_min": wait_step[per_step.index(min(per_step))] * 1e3 if base in ("naive", "fused", "overlap", "compressed") else None,
+        "wait_ms": statistics.median(wait_step) * 1e3 if base in WAITS_AFTER_BACKWARD else None,
+        "wait_ms_at_min": wait_step[per_step.index(min(per_step))] * 1e3 if base in WAITS_AFTER_BACKWARD else None,
         # forward + backward + optimizer (the step without the wait after backward; for DDP
         # this includes its waits inside backward): per step the slowest rank, median, and the
         # value in the fastest step
@@ -336,7 +363,7 @@ def main(argv=None) -> int:
     dist.init_process_group("hcomm", timeout=tmo)
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = hcomm.torch.communicator_of()
-    gloo = dist.new_group(backend="gloo", timeout=tmo) if any(m == "ddp-gloo" for m in a.modes) else None
+    gloo = dist.new_group(backend="gloo", timeout=tmo) if any(m.startswith("ddp-gloo") for m in a.modes) else None
     meta = dist.new_group(backend="gloo", timeout=tmo)  # bookkeeping, off hcomm's counters
     results = train(a, comm, gloo, meta, rank, world)
     for r in results:

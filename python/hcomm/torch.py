@@ -344,11 +344,29 @@ class HcommBackend(_C10dBackend):
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("allreduce", tensors)
         op = _op(opts)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         if len(tensors) == 1:
             return self._run(opts, tensors[0], (), lambda b, a: self._c.all_reduce(None, b, op, a))
         for t in tensors:
             _in_place(t, lambda b: self._c.all_reduce(None, b, op))
         return _Work(tensors)
+
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: str) -> _Work:
+        """Sparse tensors (an ``nn.Embedding(sparse=True)`` gradient under DDP): hcomm's sparse
+        all-reduce, which moves only the rows (like gloo's). Each input is replaced by the
+        coalesced result, which is also the work's result (what DDP's reducer reads)."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"hcomm backend: sparse allreduce sums or averages, not {op}")
+        if not all(t.is_sparse for t in tensors):
+            raise ValueError("hcomm backend: allreduce got sparse and dense tensors together")
+        out = []
+        for t in tensors:
+            res = self.comm.sparse_all_reduce(t, op=op)
+            with torch.no_grad():
+                t.copy_(res)
+            out.append(res)
+        return _Work(out)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         return self.allreduce(tensors, opts)

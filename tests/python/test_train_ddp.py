@@ -18,8 +18,11 @@ from conftest import EXAMPLES, ROOT, needs_torch, run_job
 TOLERANCE = {
     "fused": 1e-4,
     "overlap": 1e-4,
+    "sparse": 1e-4,
     "ddp-hcomm": 1e-4,
+    "ddp-hcomm-sparse": 1e-4,
     "ddp-gloo": 1e-4,
+    "ddp-gloo-sparse": 1e-4,
     "compressed:fp16": 2e-3,
     "compressed:int8": 2e-3,
     "compressed:topk:1%": 2e-2,
@@ -44,7 +47,7 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert not results["local"]["replicas_identical"]
     assert results["local"]["loss"] != naive["loss"]
     # wait measured where the mode waits after backward
-    for mode in ("naive", "fused", "overlap", "compressed:fp16"):
+    for mode in ("naive", "fused", "overlap", "sparse", "compressed:fp16"):
         assert results[mode]["wait_ms"] is not None and results[mode]["wait_ms"] >= 0
     assert results["ddp-hcomm"]["wait_ms"] is None
     # hcomm's counters: the compressed forms send less; gloo and local are not hcomm's
@@ -53,6 +56,11 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert results["compressed:fp16"]["hcomm_sent_per_step"] < 0.6 * full
     assert results["compressed:int8"]["hcomm_sent_per_step"] < 0.5 * full
     assert results["compressed:topk:1%"]["hcomm_sent_per_step"] < 0.1 * full
+    # the sparse token embedding: only the batch's rows travel (4 x 32 tokens of 1,000 rows
+    # of 64 floats per rank: at most 128 rows, vs the table's 256 KB dense)
+    table = 1000 * 64 * 4
+    assert results["sparse"]["hcomm_sent_per_step"] < full - table + 0.2 * table
+    assert results["ddp-hcomm-sparse"]["hcomm_sent_per_step"] < full - table + 0.2 * table
     assert results["ddp-gloo"]["hcomm_sent_per_step"] is None and results["local"]["hcomm_sent_per_step"] is None
     assert "ddp-gloo" in out
 
