@@ -13,6 +13,8 @@ Modes (every one trains the same model from the same seed on the same per-rank b
   overlap      buckets launched asynchronously from gradient hooks during backward
                (hcomm.Fusion fed by register_post_accumulate_grad_hook), waited for before
                the optimizer step
+               The optimizer steps each bucket's parameters as soon as that bucket has
+               arrived, while later buckets are still in flight (--no-early-step: after all)
   compressed:C overlap, each bucket compressed with C (fp16, int8, topk:1%, ...; error
                feedback on)
   sparse       overlap, except the token embedding: its gradient is sparse (only the rows of
@@ -84,6 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket (overlap, compressed) in MiB [1]")
     p.add_argument("--direct-mb", type=float, default=1.0, help="overlap/compressed: tensors this large are reduced alone, unpacked [1]")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank [1]")
+    p.add_argument("--no-early-step", dest="early_step", action="store_false",
+                   help="overlap, sparse, compressed: step the optimizer only after every bucket has arrived "
+                        "(default: step each bucket's parameters as soon as it arrives, while later buckets are in flight)")
     p.add_argument("--link-iface", default="", help="count the bytes this interface sends (e.g. eth0 in the namespace cluster) [none]")
     p.add_argument("--link-gbit", type=float, default=0.0, help="the link's rate, for the utilisation column [unknown]")
     p.add_argument("--label", default="", help="a label copied into every JSON result (e.g. the link)")
@@ -195,13 +200,17 @@ class Trainer:
                 compression=compressor or None,
                 error_feedback=True,
             )
-            fusion = self.fusion
             for p in self.params:  # each gradient starts its bucket's all-reduce as it is ready
                 if self.sparse and p is self.model.tok.weight:
                     p.register_post_accumulate_grad_hook(self.launch_sparse)
                 else:
-                    p.register_post_accumulate_grad_hook(lambda p: fusion.push(p.grad))
+                    p.register_post_accumulate_grad_hook(self.push)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=a.lr)
+        # early step: one AdamW per bucket (made at the first step; buckets are the same every
+        # step), stepped as its bucket arrives; AdamW is per-element, so this is the same update
+        self.early = self.fusion is not None and a.early_step
+        self.grad_owner, self.bucket_opts, self.opt_of, self.stepped = {}, {}, {}, set()
+        self.early_s = 0.0
         self.lossf = torch.nn.CrossEntropyLoss()
         self.data = make_data(a, rank)
         # dropout masks: per rank, the same in every mode (each mode keeps its own generator
@@ -212,6 +221,38 @@ class Trainer:
         self.times, self.waits, self.computes, self.losses = [], [], [], []
         self.sent, self.tcp, self.link = [], [], []
         self.buckets = 0
+
+    def push(self, p):
+        self.grad_owner[id(p.grad)] = p
+        self.fusion.push(p.grad)
+
+    def bucket_arrived(self, grads):
+        """fusion.finish's callback: these gradients are averaged; step their parameters."""
+        t0 = time.perf_counter()
+        params = [self.grad_owner[id(g)] for g in grads]
+        key = tuple(id(p) for p in params)
+        opt = self.bucket_opts.get(key)
+        if opt is None:
+            if any(id(p) in self.opt_of for p in params):
+                raise RuntimeError("train_ddp: the buckets changed between steps; early stepping needs the same buckets")
+            opt = self.bucket_opts[key] = torch.optim.AdamW(params, lr=self.a.lr)
+            for p in params:
+                self.opt_of[id(p)] = opt
+        opt.step()
+        self.stepped.update(id(p) for p in params)
+        self.early_s += time.perf_counter() - t0
+
+    def optimizer_step(self):
+        """Step what the early steps have not (all parameters without early stepping)."""
+        if not self.early:
+            self.opt.step()
+            return
+        rest = [p for p in self.params if id(p) not in self.stepped]
+        key = tuple(id(p) for p in rest)
+        if rest:
+            if key not in self.bucket_opts:
+                self.bucket_opts[key] = torch.optim.AdamW(rest, lr=self.a.lr)
+            self.bucket_opts[key].step()
 
     def launch_sparse(self, p):
         """The token embedding's sparse gradient, ready: start its sparse all-reduce (the
@@ -227,7 +268,8 @@ class Trainer:
         before = comm.traffic() if self.base not in ("local", "ddp-gloo", "ddp-gloo-sparse") else None
         link0 = iface_tx_bytes(a.link_iface)
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         loss = self.lossf(self.net(x), y)
         loss.backward()
         tb = time.perf_counter()
@@ -237,15 +279,21 @@ class Trainer:
         elif self.base == "fused":
             comm.all_reduce_coalesced([p.grad for p in params], op="mean", cap_bytes=int(a.bucket_mb * mb))
         elif self.fusion is not None:
-            self.buckets = self.fusion.finish()  # waits for the buckets launched during backward
+            # waits for the buckets launched during backward (stepping each one's parameters
+            # as it arrives, with early stepping)
+            self.early_s = 0.0
+            self.stepped.clear()
+            self.buckets = self.fusion.finish(self.bucket_arrived if self.early else None)
+            self.grad_owner.clear()
         if self.sparse_work is not None:
             self.model.tok.weight.grad = self.sparse_work.wait().to_dense()  # AdamW takes dense
             self.sparse_work = None
         elif self.base in ("ddp-hcomm-sparse", "ddp-gloo-sparse"):
             self.model.tok.weight.grad = self.model.tok.weight.grad.to_dense()
         tc = time.perf_counter()
-        self.opt.step()
+        self.optimizer_step()
         t1 = time.perf_counter()
+        tc -= self.early_s  # optimizer time inside finish() is compute, not waiting
         self.rng = torch.get_rng_state()
         self.times.append(t1 - t0)
         self.waits.append(tc - tb)

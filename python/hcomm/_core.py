@@ -1086,6 +1086,7 @@ class Fusion:
         self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes), compression, bool(error_feedback))
         #: Buckets of the last finished step.
         self.last_step_buckets = 0
+        self._pushed: list = []  # this step's tensors, for finish(ready=...)
 
     @property
     def compression(self) -> Optional[str]:
@@ -1110,6 +1111,7 @@ class Fusion:
         """Add a ready tensor; launches a bucket if this fills one."""
         _check_tensor("fusion", "tensor", tensor)
         self._f.push(tensor)
+        self._pushed.append(tensor)
 
     def flush(self) -> None:
         """Launch every partly filled bucket now."""
@@ -1120,10 +1122,18 @@ class Fusion:
         """Buckets launched in the current step."""
         return self._f.buckets_launched
 
-    def finish(self) -> int:
+    def finish(self, ready: Any = None) -> int:
         """Wait for every bucket of the step, unpack the results into the tensors, start a new
-        step; returns the step's number of buckets."""
-        self.last_step_buckets = self._f.finish()
+        step; returns the step's number of buckets.
+
+        With `ready`, call ``ready(tensors)`` with each bucket's tensors (in push order) as
+        soon as their results are in, bucket by bucket in launch order, while later buckets
+        may still be in flight: e.g. step the optimizer for those parameters, overlapping it
+        with the rest of the communication. If `ready` raises, it is not called again; the
+        remaining buckets are still waited for, then the exception propagates."""
+        pushed, self._pushed = self._pushed, []
+        cb = None if ready is None else (lambda positions: ready([pushed[i] for i in positions]))
+        self.last_step_buckets = self._f.finish(cb)
         return self.last_step_buckets
 
     def step(self) -> "_FusionStep":

@@ -225,3 +225,30 @@ def test_compression_on_torch_tensors():
 def test_ddp_compression_hook(n):
     out = run_job(n, [WORKERS / "ddp_compression.py"], timeout=180)
     assert "ok ddp hooks" in out
+
+
+def test_fusion_finish_reports_each_bucket_as_it_arrives(comm):
+    f = comm.fusion(op="sum", cap_bytes=64, first_bucket_bytes=16, direct_bytes=1 << 20)
+    ts = [np.full(n, i + 1, dtype=np.float32) for i, n in enumerate([4, 4, 10, 3, 8])]
+    for t in ts:
+        f.push(t)
+    seen = []
+    n = f.finish(ready=seen.append)
+    # one call per bucket; every tensor reported once, in push order (the same objects)
+    assert len(seen) == n >= 2
+    flat = [t for bucket in seen for t in bucket]
+    assert len(flat) == len(ts) and all(a is b for a, b in zip(flat, ts))
+    # an exception from the callback: no further calls, every bucket still waited for, raised
+    for t in ts:
+        f.push(t)
+    calls = []
+
+    def boom(tensors):
+        calls.append(len(tensors))
+        raise KeyError("from the callback")
+
+    with pytest.raises(KeyError, match="from the callback"):
+        f.finish(ready=boom)
+    assert len(calls) == 1
+    f.push(ts[0])
+    assert f.finish() == 1  # the fusion goes on with a fresh step

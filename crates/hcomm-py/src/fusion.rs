@@ -184,7 +184,13 @@ impl PyFusion {
     /// Launch what is left, wait for every bucket, unpack the results into the tensors, and
     /// start a new step. Returns the number of buckets of the step. Raises the first error
     /// (after waiting for every bucket).
-    fn finish(&self, py: Python<'_>) -> PyResult<usize> {
+    ///
+    /// With `ready`, call `ready(positions)` (the step positions, in push order, of the
+    /// bucket's tensors) as soon as each bucket's results are in its tensors, in launch order,
+    /// while later buckets may still be in flight. An exception from `ready` stops the calls;
+    /// the remaining buckets are still waited for, then it is raised.
+    #[pyo3(signature = (ready = None))]
+    fn finish(&self, py: Python<'_>, ready: Option<Bound<'_, PyAny>>) -> PyResult<usize> {
         self.flush();
         let step = {
             let mut s = self.step.lock().unwrap_or_else(|p| p.into_inner());
@@ -206,39 +212,47 @@ impl PyFusion {
         } = step;
         let bufs: Vec<Buf> = tensors.iter().map(|t| t.buf).collect();
         let states = &self.states;
-        let r = blocking(py, move || {
-            let mut first_err = None;
-            for (bucket, work) in in_flight {
-                let result = work.wait().map(|(buf, comp)| {
-                    if let Some((key, state)) = comp {
-                        states
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(key, state);
-                    }
-                    buf
-                });
-                match result {
-                    Ok(Some(packed)) => {
-                        let mut off = 0;
-                        for &i in &bucket.members {
-                            // SAFETY: the tensor is alive (`tensors` is dropped after this
-                            // closure) and its job has finished.
-                            let t = unsafe { bufs[i].bytes_mut() };
-                            t.copy_from_slice(&packed[off..off + t.len()]);
-                            off += t.len();
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        first_err.get_or_insert(e);
+        let mut first_err: Option<PyErr> = None;
+        let mut ready = ready;
+        for (bucket, work) in in_flight {
+            let bufs = &bufs;
+            let waited = blocking(py, move || {
+                let (buf, comp) = work.wait()?;
+                if let Some((key, state)) = comp {
+                    states
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(key, state);
+                }
+                if let Some(packed) = buf {
+                    let mut off = 0;
+                    for &i in &bucket.members {
+                        // SAFETY: the tensor is alive (`tensors` is dropped after every
+                        // bucket has been waited for) and its job has finished.
+                        let t = unsafe { bufs[i].bytes_mut() };
+                        t.copy_from_slice(&packed[off..off + t.len()]);
+                        off += t.len();
                     }
                 }
+                Ok(bucket.members)
+            });
+            match waited {
+                Ok(members) => {
+                    if let Some(f) = &ready {
+                        if let Err(e) = f.call1((members,)) {
+                            first_err.get_or_insert(e);
+                            ready = None;
+                        }
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    ready = None;
+                }
             }
-            first_err.map_or(Ok(()), Err)
-        });
+        }
         drop(tensors);
-        r.map(|()| launched)
+        first_err.map_or(Ok(launched), Err)
     }
 
     /// The buckets' compressor (canonical string), or None when buckets are not compressed.
