@@ -89,7 +89,7 @@ def test_training_report_quick_on_loopback(tmp_path):
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
     lines = out.with_suffix(".jsonl").read_text().splitlines()
-    assert len(lines) == 10 and "meta" in json.loads(lines[0])  # the run's description, then 9 modes
+    assert len(lines) == 13 and "meta" in json.loads(lines[0])  # the run's description, then 12 modes
     # the report can be written again from the kept results, identically
     again = tmp_path / "again.md"
     p = subprocess.run(
