@@ -588,3 +588,28 @@ fn simulate_predicts_every_algorithm_at_scale() {
     let (code, _, err) = hcomm(&["simulate", "--net-gbit", "0"], Duration::from_secs(30));
     assert_eq!(code, Some(2), "{err}");
 }
+
+#[test]
+fn all_to_all_between_processes_over_shared_memory() {
+    // 3 processes, blocks from empty to several staging pieces, against the reference
+    let exe = env!("CARGO_BIN_EXE_hcomm");
+    let (code, out, err) = hcomm(
+        &[
+            "run",
+            "-n",
+            "3",
+            "--",
+            exe,
+            "check",
+            "--colls",
+            "all_to_all",
+            "--dtypes",
+            "float,int8",
+            "--counts",
+            "0,7,24000,300003",
+        ],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("16 passed, 0 failed"), "{out}");
+}

@@ -897,10 +897,14 @@ impl Communicator {
             fp_count,
             send.len(),
             |run, algo| {
-                // Shared memory needs every block length known to every rank: equal blocks only.
                 if algo == Algo::Shm && fp_count != 0 {
                     let (g, w, fp) = run.shm_parts();
                     return g.all_to_all(send, &ss, recv, &rs, None, fp, &w);
+                }
+                // Per-rank counts: the tables of `shm/all_to_all_v.rs` first.
+                if algo == Algo::Shm && n <= crate::shm::ALL_TO_ALL_V_MAX_RANKS {
+                    let (g, w, fp) = run.shm_parts();
+                    return g.all_to_all_v(send, &ss, recv, &rs, fp, &w);
                 }
                 basic::all_to_all_pairwise(run, send, &ss, recv, &rs)
             },

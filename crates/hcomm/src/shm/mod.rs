@@ -8,7 +8,10 @@
 //! once when ranks outnumber cores). Every phase of every collective is an arrive followed by
 //! a wait for all peers, and the buffers a phase writes are provably no longer read by anyone.
 
+mod all_to_all_v;
 pub mod futex;
+
+pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
 pub mod segment;
 
 use crate::algo::even_segments;
@@ -841,10 +844,27 @@ impl ShmGroup {
         fp: Fingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
-        let n = self.size();
-        let me = self.rank;
         // The same on every rank: the caller guarantees all block lengths are known to all.
         let longest = send.iter().chain(recv).map(|r| r.len()).max().unwrap_or(0);
+        self.all_to_all_staged(input, send, out, recv, root, longest, fp, w)
+    }
+
+    /// [`all_to_all`](Self::all_to_all) through the staging buffers, in pieces, until
+    /// `longest` (the longest block of any rank, the same on every rank) has moved.
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_staged(
+        &mut self,
+        input: &[u8],
+        send: &[Range<usize>],
+        out: &mut [u8],
+        recv: &[Range<usize>],
+        root: Option<usize>,
+        longest: usize,
+        fp: Fingerprint,
+        w: &WaitCtx,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
         let piece = (self.layout.chunk / n).max(1);
         let mut first = true;
         let mut o = 0;
