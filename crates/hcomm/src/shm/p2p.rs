@@ -230,7 +230,11 @@ pub struct ShmPipe {
 }
 
 impl ShmPipe {
-    fn with_ring<R>(&self, at: usize, f: impl FnOnce(&Ring<'_, AtomicU64, SegBytes<'_>>) -> R) -> R {
+    fn with_ring<R>(
+        &self,
+        at: usize,
+        f: impl FnOnce(&Ring<'_, AtomicU64, SegBytes<'_>>) -> R,
+    ) -> R {
         let seg = &self.shm.seg;
         let bytes = SegBytes {
             seg,
@@ -307,7 +311,11 @@ impl ShmPipe {
     pub fn peer_gone(&self) -> Option<String> {
         let line = self.shm.layout.ctrl(self.peer);
         let pid = self.shm.seg.atomic_u32(line + PID).load(Ordering::Acquire);
-        let ns = self.shm.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed);
+        let ns = self
+            .shm
+            .seg
+            .atomic_u32(line + PIDNS)
+            .load(Ordering::Relaxed);
         process_gone(pid, ns, self.shm.pidns)
     }
 
@@ -324,10 +332,7 @@ mod tests {
     #[test]
     fn layout_places_every_ring_apart() {
         for ranks in 2..6 {
-            let l = P2pLayout {
-                ranks,
-                ring: 4096,
-            };
+            let l = P2pLayout { ranks, ring: 4096 };
             let mut at: Vec<usize> = (0..ranks)
                 .flat_map(|a| (0..ranks).filter(move |&b| b != a).map(move |b| (a, b)))
                 .map(|(a, b)| l.ring_at(a, b))

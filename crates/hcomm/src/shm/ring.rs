@@ -131,7 +131,9 @@ impl<C: Counter, B: Bytes> Ring<'_, C, B> {
     pub fn free(&self) -> usize {
         let cap = self.bytes.capacity() as u64;
         let head = self.head.load(Ordering::Relaxed);
-        (cap - head.wrapping_sub(self.tail.load(Ordering::Acquire)).min(cap)) as usize
+        (cap - head
+            .wrapping_sub(self.tail.load(Ordering::Acquire))
+            .min(cap)) as usize
     }
 }
 

@@ -33,8 +33,8 @@ use crate::auth::{
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::reduce::{reduce_into, Order};
-use crate::transport::frame::{Header, Kind, HEADER_LEN};
 use crate::shm::p2p::{P2pShm, ShmPipe};
+use crate::transport::frame::{Header, Kind, HEADER_LEN};
 use crate::transport::wait::{Spinner, WaitPolicy};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -1379,9 +1379,9 @@ impl TcpLinks {
             }
             let listener_ready = any
                 && fds
-                .last()
-                .and_then(|f| f.revents())
-                .is_some_and(|r| r.intersects(PollFlags::POLLIN | PollFlags::POLLERR));
+                    .last()
+                    .and_then(|f| f.revents())
+                    .is_some_and(|r| r.intersects(PollFlags::POLLIN | PollFlags::POLLERR));
             drop(fds);
             drop(pipes);
             self.listener_ready |= listener_ready;
