@@ -733,7 +733,7 @@ fn small_ring_worker() {
     let peer = 1 - me;
     assert!(comm.p2p_over_shared_memory(peer));
     let pattern = |seed: usize, len: usize| -> Vec<u8> {
-        (0..len).map(|i| (i * 131 ^ seed * 7919) as u8).collect()
+        (0..len).map(|i| ((i * 131) ^ (seed * 7919)) as u8).collect()
     };
     // Eager messages (up to 64 KiB) much larger than the 4 KiB ring, on interleaved tags,
     // received in another order; then rendezvous messages; then both ways at once.
