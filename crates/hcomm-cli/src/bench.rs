@@ -464,7 +464,17 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         BenchOp::Coll(c) => comm.algorithm_for(c, shown).to_string(),
         BenchOp::SendRecv => "p2p".into(),
     };
-    let transport = if algo == "shm" { "shm" } else { "tcp" };
+    let transport = match op {
+        // Ranks 0 and 1 ping-pong: over shared-memory rings when they share a host.
+        BenchOp::SendRecv
+            if comm.world_size() > 1
+                && comm.p2p_over_shared_memory(if comm.rank() == 0 { 1 } else { 0 }) =>
+        {
+            "shm"
+        }
+        _ if algo == "shm" => "shm",
+        _ => "tcp",
+    };
     Ok(Row {
         op: op.name().into(),
         ranks: n,

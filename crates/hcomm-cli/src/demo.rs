@@ -241,11 +241,12 @@ fn split_row(comm: &Communicator) -> Result<DemoRow> {
 }
 
 /// Print the table.
-pub fn print(rows: &[DemoRow], n: usize, shared_memory: bool) {
-    let transport = if shared_memory {
-        "shared memory for collectives, TCP loopback for point-to-point"
-    } else {
-        "TCP loopback"
+pub fn print(rows: &[DemoRow], n: usize, shared_memory: bool, p2p_shared_memory: bool) {
+    let transport = match (shared_memory, p2p_shared_memory) {
+        (true, true) => "shared memory for collectives and point-to-point",
+        (true, false) => "shared memory for collectives, TCP loopback for point-to-point",
+        (false, true) => "TCP loopback for collectives, shared memory for point-to-point",
+        (false, false) => "TCP loopback",
     };
     println!("hcomm demo: {n} ranks on this host, {transport}; every result checked against a CPU reference");
     println!(

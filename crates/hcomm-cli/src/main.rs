@@ -318,7 +318,12 @@ fn cmd_demo(a: DemoArgs) -> ExitCode {
     match demo::run(&comm, a.size, a.iters) {
         Ok(rows) => {
             if comm.rank() == 0 {
-                demo::print(&rows, comm.world_size(), comm.has_shared_memory());
+                demo::print(
+                    &rows,
+                    comm.world_size(),
+                    comm.has_shared_memory(),
+                    comm.world_size() > 1 && comm.p2p_over_shared_memory(1),
+                );
             }
             if rows.iter().all(|r| r.correct) {
                 ExitCode::SUCCESS
@@ -735,9 +740,9 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
     report.add_finding(
         Level::Ok,
         "shm footprint",
-        if comm.has_shared_memory() {
+        if comm.shared_memory_bytes() > 0 {
             format!(
-                "{} KiB of /dev/shm for this communicator's {} local ranks (a segment per communicator; HCOMM_SHM_CHUNK sizes it)",
+                "{} KiB of /dev/shm for this communicator's {} local ranks (a segment per communicator for collectives, HCOMM_SHM_CHUNK sizes it; one for point-to-point rings, HCOMM_SHM_P2P_BYTES per direction and pair)",
                 comm.shared_memory_bytes() >> 10,
                 comm.local_world_size()
             )

@@ -250,11 +250,12 @@ impl Inner {
     fn counters(&self) -> Counters {
         let (tcp_sent, tcp_received) = self.links.bytes_moved();
         let (shm_written, shm_read) = self.shm.as_ref().map_or((0, 0), |g| g.bytes_moved());
+        let (pipe_written, pipe_read) = self.links.shm_bytes_moved();
         Counters {
             tcp_sent,
             tcp_received,
-            shm_written,
-            shm_read,
+            shm_written: shm_written + pipe_written,
+            shm_read: shm_read + pipe_read,
         }
     }
 }
@@ -282,8 +283,10 @@ pub struct Communicator {
     _server: Option<Arc<StoreServer>>,
     /// Transport setting (inherited by sub-communicators).
     transport: TransportKind,
-    /// Bytes of shared memory this communicator maps (0 without shared memory).
+    /// Bytes of shared memory the collectives' segment takes (0 without one).
     shm_bytes: usize,
+    /// Bytes of shared memory the point-to-point rings of this host take (0 without).
+    p2p_shm_bytes: usize,
     /// A connection to the rendezvous store for after bootstrap (windows), made on first use.
     store: Mutex<Option<StoreClient>>,
     /// Collective window allocations so far.
@@ -586,6 +589,15 @@ impl Communicator {
             None
         };
         let shm_bytes = shm.as_ref().map_or(0, |s| s.footprint());
+        let p2p_shm = if transport != TransportKind::Tcp && local.len() > 1 {
+            setup_p2p_shm(&mut store, &comm_id, rank, &local, timeout)?
+        } else {
+            None
+        };
+        let p2p_shm_bytes = p2p_shm.as_ref().map_or(0, |s| s.footprint());
+        if let Some(s) = p2p_shm {
+            links.attach_shm(Arc::new(s), &local);
+        }
         let hier_layout = compute_hierarchical_layout(&hosts, rank);
         drop(store);
         Ok(Communicator {
@@ -619,6 +631,7 @@ impl Communicator {
             _server: server,
             transport,
             shm_bytes,
+            p2p_shm_bytes,
             store: Mutex::new(None),
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
@@ -798,9 +811,21 @@ impl Communicator {
         self.shm_bytes > 0
     }
 
-    /// Bytes of shared memory this communicator maps on this host (0 without).
+    /// Bytes of shared memory this communicator maps on this host (0 without): the
+    /// collectives' segment plus the point-to-point rings.
     pub fn shared_memory_bytes(&self) -> usize {
-        self.shm_bytes
+        self.shm_bytes + self.p2p_shm_bytes
+    }
+
+    /// True when point-to-point with `peer` (send/recv, signals, connections) goes over
+    /// shared-memory rings rather than TCP (the peer shares this host, shared memory is
+    /// allowed, and `HCOMM_SHM_P2P_BYTES` is not 0).
+    pub fn p2p_over_shared_memory(&self, peer: usize) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .links
+            .p2p_over_shm(peer)
     }
 
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
@@ -1000,7 +1025,7 @@ impl Communicator {
                 match e {
                     // Whom this rank waited for may itself be waiting: follow the blame along
                     // the waits for a short grace period (see `TcpLinks::settle_blame`).
-                    Error::Timeout { after, .. } if inner.links.open_links() > 0 => {
+                    Error::Timeout { after, .. } if inner.links.any_links() => {
                         let grace =
                             (*after / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
                         culprit = inner
@@ -1773,6 +1798,139 @@ fn setup_shm(
         );
     }
     Ok(group)
+}
+
+/// Create (the host's lowest rank) or attach (the others) the segment of this host's
+/// point-to-point rings, agree through the store that every local rank has it, then unlink
+/// its name (as [`setup_shm`]). `local` lists the ranks on this host, in order. Any failure
+/// means TCP for point-to-point within the host (unless `HCOMM_TRANSPORT=shm`).
+fn setup_p2p_shm(
+    store: &mut StoreClient,
+    comm_id: &str,
+    rank: usize,
+    local: &[usize],
+    timeout: Duration,
+) -> Result<Option<crate::shm::p2p::P2pShm>> {
+    use crate::shm::p2p::{ring_bytes_from_env, P2pLayout, P2pShm};
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let serr = |e: crate::bootstrap::store::StoreError| {
+        Error::Config(format!("shared memory (point-to-point) setup: {e}"))
+    };
+    let leader = local[0];
+    let me = local.iter().position(|&r| r == rank).expect("a local rank");
+    let key = format!("{comm_id}/p2p/{leader}");
+    let votes = format!("{comm_id}/p2p/{leader}/attached");
+    let verdict_key = format!("{comm_id}/p2p/{leader}/ok");
+    let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
+    let ranks = local.len();
+    let shm = if rank == leader {
+        let ring = ring_bytes_from_env();
+        let layout = P2pLayout { ranks, ring };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!(
+            "/hcomm-p2p-{:x}-{}-{nanos:x}",
+            hash64(comm_id) & 0xffff_ffff,
+            std::process::id()
+        );
+        let created = if ring == 0 {
+            Err(std::io::Error::other("HCOMM_SHM_P2P_BYTES=0"))
+        } else {
+            P2pShm::create(&name, layout, me)
+        };
+        match created {
+            Ok(s) => {
+                // Whatever happens below (store errors included), the name is unlinked.
+                let votes_in = (|| -> Result<bool> {
+                    store
+                        .set(&key, format!("{name} {ring}").as_bytes())
+                        .map_err(serr)?;
+                    // Every other local rank votes: 1 = attached, 1000 = failed.
+                    loop {
+                        let v = store.add(&votes, 0).map_err(serr)?;
+                        if v % 1000 + v / 1000 >= ranks as i64 - 1 {
+                            return Ok(v / 1000 == 0);
+                        }
+                        if left().is_zero() {
+                            return Ok(false);
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                })();
+                let _ = s.unlink();
+                let ok = votes_in?;
+                store
+                    .set(&verdict_key, if ok { b"1" } else { b"0" })
+                    .map_err(serr)?;
+                ok.then_some(s)
+            }
+            Err(e) => {
+                if ring != 0 {
+                    tracing::warn!(
+                        "cannot create shared memory {name} ({} bytes): {e}; point-to-point uses TCP within the host",
+                        layout.bytes()
+                    );
+                }
+                store
+                    .set(&key, format!("none {e}").as_bytes())
+                    .map_err(serr)?;
+                store.set(&verdict_key, b"0").map_err(serr)?;
+                if strict && ring != 0 {
+                    return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory for point-to-point: {e} (check /dev/shm with `hcomm doctor`)")));
+                }
+                None
+            }
+        }
+    } else {
+        let v = store.get(&key, left()).map_err(serr)?;
+        let v = String::from_utf8_lossy(&v).into_owned();
+        let (name, rest) = v.split_once(' ').unwrap_or((v.as_str(), ""));
+        let attached = if name == "none" {
+            None
+        } else {
+            let ring: usize = rest
+                .trim()
+                .parse()
+                .map_err(|_| Error::Config(format!("bad shared memory record '{v}'")))?;
+            match P2pShm::attach(name, P2pLayout { ranks, ring }, me) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot attach shared memory {name}: {e}; point-to-point uses TCP within the host"
+                    );
+                    None
+                }
+            }
+        };
+        if name != "none" {
+            store
+                .add(&votes, if attached.is_some() { 1 } else { 1000 })
+                .map_err(serr)?;
+        }
+        let verdict = store.get(&verdict_key, left()).map_err(serr)?;
+        if verdict == b"1" {
+            attached
+        } else {
+            if strict && name != "none" {
+                return Err(Error::Config(
+                    "HCOMM_TRANSPORT=shm: a rank could not map the point-to-point shared memory"
+                        .into(),
+                ));
+            }
+            None
+        }
+    };
+    if let Some(s) = &shm {
+        tracing::info!(
+            rank,
+            "point-to-point shared memory ready: {} bytes for {ranks} local ranks",
+            s.footprint()
+        );
+    }
+    Ok(shm)
 }
 
 /// See [`Communicator::hierarchical_layout`].

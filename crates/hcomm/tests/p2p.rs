@@ -1,167 +1,207 @@
 //! Point-to-point, signals, connections, sub-communicators and error behaviour, with ranks as
 //! threads over loopback TCP.
 
-use hcomm::testing::{expect_all as all_ok, run_threads};
+use hcomm::config::TransportKind;
+use hcomm::testing::{expect_all as all_ok, run_threads_with};
 use hcomm::{Error, ReduceOp};
+use std::cell::Cell;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
 
+thread_local! {
+    /// The transport `run_threads` gives the ranks of the current test.
+    static TRANSPORT: Cell<TransportKind> = const { Cell::new(TransportKind::Auto) };
+}
+
+/// Run a test body twice: over TCP, then with the default transport choice (ranks on one host:
+/// point-to-point over shared-memory rings).
+fn over_both_transports(body: impl Fn()) {
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        eprintln!("--- transport {transport:?}");
+        TRANSPORT.with(|t| t.set(transport));
+        body();
+    }
+}
+
+/// The ranks as threads, over the current test's transport (see [`over_both_transports`]).
+fn run_threads<R, F>(n: usize, timeout: Duration, f: F) -> Vec<hcomm::Result<R>>
+where
+    R: Send,
+    F: Fn(hcomm::Communicator) -> hcomm::Result<R> + Sync,
+{
+    run_threads_with(n, TRANSPORT.with(|t| t.get()), timeout, f)
+}
+
 #[test]
 fn tags_match_whatever_the_posting_order() {
-    all_ok(run_threads(2, T, |c| {
-        let big: Vec<u32> = (0..300_000).collect();
-        if c.rank() == 0 {
-            c.send(1, 1, &[1u8; 100])?;
-            c.send(1, 2, &[2u8; 200])?;
-            c.send(1, 3, &[3u8; 0])?;
-            c.send(1, 4, &big)?;
-        } else {
-            let mut b3 = [9u8; 0];
-            let mut b2 = [0u8; 200];
-            let mut b1 = [0u8; 100];
-            c.recv(0, 3, &mut b3)?;
-            c.recv(0, 2, &mut b2)?;
-            c.recv(0, 1, &mut b1)?;
-            let mut got = vec![0u32; 300_000];
-            c.recv(0, 4, &mut got)?;
-            assert!(b1.iter().all(|&x| x == 1) && b2.iter().all(|&x| x == 2));
-            assert_eq!(got, big);
-        }
-        Ok(())
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let big: Vec<u32> = (0..300_000).collect();
+            if c.rank() == 0 {
+                c.send(1, 1, &[1u8; 100])?;
+                c.send(1, 2, &[2u8; 200])?;
+                c.send(1, 3, &[3u8; 0])?;
+                c.send(1, 4, &big)?;
+            } else {
+                let mut b3 = [9u8; 0];
+                let mut b2 = [0u8; 200];
+                let mut b1 = [0u8; 100];
+                c.recv(0, 3, &mut b3)?;
+                c.recv(0, 2, &mut b2)?;
+                c.recv(0, 1, &mut b1)?;
+                let mut got = vec![0u32; 300_000];
+                c.recv(0, 4, &mut got)?;
+                assert!(b1.iter().all(|&x| x == 1) && b2.iter().all(|&x| x == 2));
+                assert_eq!(got, big);
+            }
+            Ok(())
+        }));
+    });
 }
 
 #[test]
 fn same_tag_messages_keep_their_order() {
-    all_ok(run_threads(2, T, |c| {
-        for i in 0..50u64 {
-            if c.rank() == 0 {
-                c.send(1, 7, &[i])?;
-            }
-        }
-        if c.rank() == 1 {
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
             for i in 0..50u64 {
-                let mut v = [0u64];
-                c.recv(0, 7, &mut v)?;
-                assert_eq!(v[0], i);
+                if c.rank() == 0 {
+                    c.send(1, 7, &[i])?;
+                }
             }
-        }
-        Ok(())
-    }));
+            if c.rank() == 1 {
+                for i in 0..50u64 {
+                    let mut v = [0u64];
+                    c.recv(0, 7, &mut v)?;
+                    assert_eq!(v[0], i);
+                }
+            }
+            Ok(())
+        }));
+    });
 }
 
 #[test]
 fn send_recv_exchanges_large_messages_both_ways() {
-    all_ok(run_threads(3, T, |c| {
-        let n = c.world_size();
-        let (right, left) = ((c.rank() + 1) % n, (c.rank() + n - 1) % n);
-        let mine: Vec<f64> = (0..500_000).map(|i| (i * (c.rank() + 1)) as f64).collect();
-        let mut got = vec![0f64; 500_000];
-        c.send_recv(right, &mine, left, &mut got, 9)?;
-        assert!(got
-            .iter()
-            .enumerate()
-            .all(|(i, &x)| x == (i * (left + 1)) as f64));
-        Ok(())
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(3, T, |c| {
+            let n = c.world_size();
+            let (right, left) = ((c.rank() + 1) % n, (c.rank() + n - 1) % n);
+            let mine: Vec<f64> = (0..500_000).map(|i| (i * (c.rank() + 1)) as f64).collect();
+            let mut got = vec![0f64; 500_000];
+            c.send_recv(right, &mine, left, &mut got, 9)?;
+            assert!(got
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i * (left + 1)) as f64));
+            Ok(())
+        }));
+    });
 }
 
 #[test]
 fn eager_size_mismatch_fails_on_both_sides() {
-    let res = run_threads(2, T, |c| {
-        if c.rank() == 0 {
-            c.send(1, 5, &[0u8; 10])?;
-            // The receiver's Nack arrives with its next message; the next p2p call reports it.
-            let mut ack = [0u8; 1];
-            let r = c.recv(1, 6, &mut ack);
-            Ok(r.err())
-        } else {
-            let mut buf = [0u8; 20];
-            let e = c.recv(0, 5, &mut buf).unwrap_err();
-            let _ = c.send(0, 6, &[1u8]);
-            Ok(Some(e))
+    over_both_transports(|| {
+        let res = run_threads(2, T, |c| {
+            if c.rank() == 0 {
+                c.send(1, 5, &[0u8; 10])?;
+                // The receiver's Nack arrives with its next message; the next p2p call reports it.
+                let mut ack = [0u8; 1];
+                let r = c.recv(1, 6, &mut ack);
+                Ok(r.err())
+            } else {
+                let mut buf = [0u8; 20];
+                let e = c.recv(0, 5, &mut buf).unwrap_err();
+                let _ = c.send(0, 6, &[1u8]);
+                Ok(Some(e))
+            }
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let e = r
+                .unwrap()
+                .unwrap_or_else(|| panic!("rank {rank} saw no error"));
+            assert!(
+                matches!(e, Error::SizeMismatch { .. } | Error::Poisoned { .. }),
+                "rank {rank}: {e}"
+            );
+            let msg = e.to_string();
+            assert!(
+                msg.contains("10") && msg.contains("20") || rank == 0,
+                "rank {rank}: {msg}"
+            );
         }
     });
-    for (rank, r) in res.into_iter().enumerate() {
-        let e = r
-            .unwrap()
-            .unwrap_or_else(|| panic!("rank {rank} saw no error"));
-        assert!(
-            matches!(e, Error::SizeMismatch { .. } | Error::Poisoned { .. }),
-            "rank {rank}: {e}"
-        );
-        let msg = e.to_string();
-        assert!(
-            msg.contains("10") && msg.contains("20") || rank == 0,
-            "rank {rank}: {msg}"
-        );
-    }
 }
 
 #[test]
 fn large_size_mismatch_fails_on_both_sides_at_once() {
-    let res = run_threads(2, T, |c| {
-        if c.rank() == 0 {
-            Ok(c.send(1, 5, &vec![0u8; 1 << 20]).unwrap_err())
-        } else {
-            let mut buf = vec![0u8; 2 << 20];
-            Ok(c.recv(0, 5, &mut buf).unwrap_err())
+    over_both_transports(|| {
+        let res = run_threads(2, T, |c| {
+            if c.rank() == 0 {
+                Ok(c.send(1, 5, &vec![0u8; 1 << 20]).unwrap_err())
+            } else {
+                let mut buf = vec![0u8; 2 << 20];
+                Ok(c.recv(0, 5, &mut buf).unwrap_err())
+            }
+        });
+        for (rank, r) in res.into_iter().enumerate() {
+            let e = r.unwrap();
+            assert!(matches!(e, Error::SizeMismatch { .. }), "rank {rank}: {e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("1048576") && msg.contains("2097152"),
+                "rank {rank}: {msg}"
+            );
         }
     });
-    for (rank, r) in res.into_iter().enumerate() {
-        let e = r.unwrap();
-        assert!(matches!(e, Error::SizeMismatch { .. }), "rank {rank}: {e}");
-        let msg = e.to_string();
-        assert!(
-            msg.contains("1048576") && msg.contains("2097152"),
-            "rank {rank}: {msg}"
-        );
-    }
 }
 
 #[test]
 fn signals_are_counted_per_tag() {
-    all_ok(run_threads(2, T, |c| {
-        if c.rank() == 0 {
-            c.signal(1, 1)?;
-            c.signal(1, 1)?;
-            c.signal(1, 2)?;
-            c.wait_signal(1, 3)?;
-        } else {
-            c.wait_signal(0, 2)?;
-            c.wait_signal(0, 1)?;
-            c.wait_signal(0, 1)?;
-            c.signal(0, 3)?;
-        }
-        Ok(())
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            if c.rank() == 0 {
+                c.signal(1, 1)?;
+                c.signal(1, 1)?;
+                c.signal(1, 2)?;
+                c.wait_signal(1, 3)?;
+            } else {
+                c.wait_signal(0, 2)?;
+                c.wait_signal(0, 1)?;
+                c.wait_signal(0, 1)?;
+                c.signal(0, 3)?;
+            }
+            Ok(())
+        }));
+    });
 }
 
 #[test]
 fn connections_in_any_order() {
-    all_ok(run_threads(2, T, |c| {
-        let peer = 1 - c.rank();
-        let a = c.connect(peer, 10)?;
-        let b = c.connect(peer, 20)?;
-        assert!(
-            c.connect(peer, 10).is_err(),
-            "duplicate connection must be refused"
-        );
-        if c.rank() == 0 {
-            a.send(&[1i16, 2, 3])?;
-            b.send(&[4i16])?;
-        } else {
-            let mut x = [0i16; 1];
-            let mut y = [0i16; 3];
-            b.recv(&mut x)?;
-            a.recv(&mut y)?;
-            assert_eq!((x, y), ([4], [1, 2, 3]));
-        }
-        a.close()?;
-        b.close()?;
-        Ok(())
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let peer = 1 - c.rank();
+            let a = c.connect(peer, 10)?;
+            let b = c.connect(peer, 20)?;
+            assert!(
+                c.connect(peer, 10).is_err(),
+                "duplicate connection must be refused"
+            );
+            if c.rank() == 0 {
+                a.send(&[1i16, 2, 3])?;
+                b.send(&[4i16])?;
+            } else {
+                let mut x = [0i16; 1];
+                let mut y = [0i16; 3];
+                b.recv(&mut x)?;
+                a.recv(&mut y)?;
+                assert_eq!((x, y), ([4], [1, 2, 3]));
+            }
+            a.close()?;
+            b.close()?;
+            Ok(())
+        }));
+    });
 }
 
 #[test]
@@ -201,34 +241,36 @@ fn split_and_new_group_work_like_the_world() {
 
 #[test]
 fn bad_arguments_are_named_and_leave_the_communicator_usable() {
-    all_ok(run_threads(2, T, |c| {
-        let mut buf = [0f32; 4];
-        let e = c.broadcast(&mut buf, 2).unwrap_err();
-        assert!(
-            matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("root 2"),
-            "{e}"
-        );
-        let e = c.send(5, 0, &buf).unwrap_err();
-        assert!(e.to_string().contains("peer rank 5"), "{e}");
-        let e = c.send(c.rank(), 0, &buf).unwrap_err();
-        assert!(e.to_string().contains("this rank"), "{e}");
-        let e = c
-            .reduce_scatter(&[0f32; 5], &mut [0f32; 2], ReduceOp::Sum)
-            .unwrap_err();
-        assert!(e.to_string().contains("send buffer has 5 elements"), "{e}");
-        let e = c
-            .all_reduce(&[0f32; 3], &mut [0f32; 4], ReduceOp::Sum)
-            .unwrap_err();
-        assert!(e.to_string().contains("3 elements"), "{e}");
-        let e = c
-            .all_reduce_bytes(None, &mut [0u8; 7], hcomm::DType::F32, ReduceOp::Sum)
-            .unwrap_err();
-        assert!(e.to_string().contains("7 bytes"), "{e}");
-        let e = c.all_to_all(&[0i32; 3], &mut [0i32; 3]).unwrap_err();
-        assert!(e.to_string().contains("divisible"), "{e}");
-        c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-        Ok(())
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let mut buf = [0f32; 4];
+            let e = c.broadcast(&mut buf, 2).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains("root 2"),
+                "{e}"
+            );
+            let e = c.send(5, 0, &buf).unwrap_err();
+            assert!(e.to_string().contains("peer rank 5"), "{e}");
+            let e = c.send(c.rank(), 0, &buf).unwrap_err();
+            assert!(e.to_string().contains("this rank"), "{e}");
+            let e = c
+                .reduce_scatter(&[0f32; 5], &mut [0f32; 2], ReduceOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("send buffer has 5 elements"), "{e}");
+            let e = c
+                .all_reduce(&[0f32; 3], &mut [0f32; 4], ReduceOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("3 elements"), "{e}");
+            let e = c
+                .all_reduce_bytes(None, &mut [0u8; 7], hcomm::DType::F32, ReduceOp::Sum)
+                .unwrap_err();
+            assert!(e.to_string().contains("7 bytes"), "{e}");
+            let e = c.all_to_all(&[0i32; 3], &mut [0i32; 3]).unwrap_err();
+            assert!(e.to_string().contains("divisible"), "{e}");
+            c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            Ok(())
+        }));
+    });
 }
 
 #[test]
@@ -277,194 +319,208 @@ fn mismatched_collectives_fail_with_both_calls_named() {
 
 #[test]
 fn timeout_names_the_peer_and_poisons() {
-    let res = run_threads(2, T, |c| {
-        c.set_timeout(Duration::from_millis(300));
-        if c.rank() == 0 {
-            let mut b = [0u8; 4];
-            let e = c.recv(1, 1, &mut b).unwrap_err();
-            let again = c.barrier().unwrap_err();
-            Ok(Some((e, again)))
-        } else {
-            std::thread::sleep(Duration::from_millis(600));
-            Ok(None)
-        }
+    over_both_transports(|| {
+        let res = run_threads(2, T, |c| {
+            c.set_timeout(Duration::from_millis(300));
+            if c.rank() == 0 {
+                let mut b = [0u8; 4];
+                let e = c.recv(1, 1, &mut b).unwrap_err();
+                let again = c.barrier().unwrap_err();
+                Ok(Some((e, again)))
+            } else {
+                std::thread::sleep(Duration::from_millis(600));
+                Ok(None)
+            }
+        });
+        let (e, again) = res.into_iter().next().unwrap().unwrap().unwrap();
+        assert!(
+            matches!(&e, Error::Timeout { peers, .. } if peers == &vec![1]),
+            "{e}"
+        );
+        assert!(e.to_string().contains("rank(s) [1]"), "{e}");
+        assert!(matches!(again, Error::Poisoned { .. }), "{again}");
     });
-    let (e, again) = res.into_iter().next().unwrap().unwrap().unwrap();
-    assert!(
-        matches!(&e, Error::Timeout { peers, .. } if peers == &vec![1]),
-        "{e}"
-    );
-    assert!(e.to_string().contains("rank(s) [1]"), "{e}");
-    assert!(matches!(again, Error::Poisoned { .. }), "{again}");
 }
 
 #[test]
 fn a_closed_peer_is_reported_by_name() {
-    let res = run_threads(3, T, |c| {
-        c.set_timeout(Duration::from_secs(5));
-        if c.rank() == 2 {
-            drop(c);
-            return Ok(None);
+    over_both_transports(|| {
+        let res = run_threads(3, T, |c| {
+            c.set_timeout(Duration::from_secs(5));
+            if c.rank() == 2 {
+                drop(c);
+                return Ok(None);
+            }
+            let mut v = vec![1f32; 100_000];
+            Ok(Some(
+                c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err(),
+            ))
+        });
+        for r in res.into_iter().take(2) {
+            let e = r.unwrap().unwrap();
+            // Each survivor names rank 2: it saw it go, or the other survivor told it.
+            assert!(
+                matches!(&e, Error::PeerClosed { peer: 2, .. })
+                    || matches!(&e, Error::Timeout { peers, .. } if peers.contains(&2))
+                    || matches!(
+                        &e,
+                        Error::Remote {
+                            culprit: Some(2),
+                            ..
+                        }
+                    ),
+                "{e}"
+            );
         }
-        let mut v = vec![1f32; 100_000];
-        Ok(Some(
-            c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err(),
-        ))
     });
-    for r in res.into_iter().take(2) {
-        let e = r.unwrap().unwrap();
-        // Each survivor names rank 2: it saw it go, or the other survivor told it.
-        assert!(
-            matches!(&e, Error::PeerClosed { peer: 2, .. })
-                || matches!(&e, Error::Timeout { peers, .. } if peers.contains(&2))
-                || matches!(
-                    &e,
-                    Error::Remote {
-                        culprit: Some(2),
-                        ..
-                    }
-                ),
-            "{e}"
-        );
-    }
 }
 
 #[test]
 fn abort_unblocks_a_waiting_call() {
-    let res = run_threads(2, T, |c| {
-        if c.rank() == 1 {
-            // Stay alive (a gone peer is a different error) but never send.
-            std::thread::sleep(Duration::from_millis(1500));
-            return Ok(None);
-        }
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                std::thread::sleep(Duration::from_millis(200));
-                c.abort();
-            });
-            let mut b = [0u8; 8];
-            Ok(Some(c.recv(1, 3, &mut b).unwrap_err()))
-        })
+    over_both_transports(|| {
+        let res = run_threads(2, T, |c| {
+            if c.rank() == 1 {
+                // Stay alive (a gone peer is a different error) but never send.
+                std::thread::sleep(Duration::from_millis(1500));
+                return Ok(None);
+            }
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(200));
+                    c.abort();
+                });
+                let mut b = [0u8; 8];
+                Ok(Some(c.recv(1, 3, &mut b).unwrap_err()))
+            })
+        });
+        let e = res.into_iter().next().unwrap().unwrap().unwrap();
+        assert!(matches!(e, Error::Aborted { .. }), "{e}");
     });
-    let e = res.into_iter().next().unwrap().unwrap().unwrap();
-    assert!(matches!(e, Error::Aborted { .. }), "{e}");
 }
 
 #[test]
 fn an_abort_between_calls_is_told_to_the_peers() {
-    // abort() with nothing in flight: the next call fails with Aborted, and the peers waiting
-    // on this rank (over TCP, and over shared memory) fail at once naming the cause, as they
-    // do when the abort hits a call in flight, instead of waiting for their deadline.
-    for shm in [false, true] {
-        let done = std::sync::Barrier::new(2);
-        let res = run_threads(2, T, |c| {
-            // Linked over TCP (and the shared segment) before the abort.
-            let peer = 1 - c.rank();
-            c.send_recv(peer, &[1u8], peer, &mut [0u8], 1)?;
-            c.barrier()?;
-            let out = if c.rank() == 0 {
-                c.abort();
-                std::thread::sleep(Duration::from_millis(100)); // rank 1 is waiting
-                let e = c.barrier().unwrap_err();
-                assert!(matches!(e, Error::Aborted { .. }), "{e}");
-                None
-            } else {
-                let start = std::time::Instant::now();
-                let e = if shm {
-                    c.barrier().unwrap_err()
+    over_both_transports(|| {
+        // abort() with nothing in flight: the next call fails with Aborted, and the peers waiting
+        // on this rank (over TCP, and over shared memory) fail at once naming the cause, as they
+        // do when the abort hits a call in flight, instead of waiting for their deadline.
+        for shm in [false, true] {
+            let done = std::sync::Barrier::new(2);
+            let res = run_threads(2, T, |c| {
+                // Linked over TCP (and the shared segment) before the abort.
+                let peer = 1 - c.rank();
+                c.send_recv(peer, &[1u8], peer, &mut [0u8], 1)?;
+                c.barrier()?;
+                let out = if c.rank() == 0 {
+                    c.abort();
+                    std::thread::sleep(Duration::from_millis(100)); // rank 1 is waiting
+                    let e = c.barrier().unwrap_err();
+                    assert!(matches!(e, Error::Aborted { .. }), "{e}");
+                    None
                 } else {
-                    c.recv(0, 9, &mut [0u8; 4]).unwrap_err()
+                    let start = std::time::Instant::now();
+                    let e = if shm {
+                        c.barrier().unwrap_err()
+                    } else {
+                        c.recv(0, 9, &mut [0u8; 4]).unwrap_err()
+                    };
+                    Some((e, start.elapsed()))
                 };
-                Some((e, start.elapsed()))
-            };
-            done.wait(); // rank 0 stays alive: a gone rank is another error
-            Ok(out)
-        });
-        let (e, took) = all_ok(res).pop().unwrap().unwrap();
-        assert!(
-            matches!(&e, Error::Remote { peer: 0, .. }) && e.to_string().contains("aborted"),
-            "{e}"
-        );
-        assert!(took < Duration::from_secs(10), "{e} after {took:?}");
-    }
+                done.wait(); // rank 0 stays alive: a gone rank is another error
+                Ok(out)
+            });
+            let (e, took) = all_ok(res).pop().unwrap().unwrap();
+            assert!(
+                matches!(&e, Error::Remote { peer: 0, .. }) && e.to_string().contains("aborted"),
+                "{e}"
+            );
+            assert!(took < Duration::from_secs(10), "{e} after {took:?}");
+        }
+    });
 }
 
 #[test]
 fn an_eager_nack_does_not_break_later_collectives() {
-    // Review finding: a Nack arriving during a collective must not fail it half-way.
-    let res = run_threads(2, T, |c| {
-        let mut v = vec![1f32; 1 << 20];
-        if c.rank() == 0 {
-            c.send(1, 0, &[0u8; 10])?;
-        } else {
-            assert!(matches!(
-                c.recv(0, 0, &mut [0u8; 20]),
-                Err(Error::SizeMismatch { .. })
-            ));
-        }
-        for _ in 0..3 {
-            c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
-        }
-        // The sender hears of the mismatch at its next receive from that peer.
-        let next = if c.rank() == 0 {
-            c.recv(1, 1, &mut [0u8; 1])
-        } else {
-            c.send(0, 1, &[1u8])
-        };
-        Ok((v[0], next.err().map(|e| e.to_string())))
+    over_both_transports(|| {
+        // Review finding: a Nack arriving during a collective must not fail it half-way.
+        let res = run_threads(2, T, |c| {
+            let mut v = vec![1f32; 1 << 20];
+            if c.rank() == 0 {
+                c.send(1, 0, &[0u8; 10])?;
+            } else {
+                assert!(matches!(
+                    c.recv(0, 0, &mut [0u8; 20]),
+                    Err(Error::SizeMismatch { .. })
+                ));
+            }
+            for _ in 0..3 {
+                c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            }
+            // The sender hears of the mismatch at its next receive from that peer.
+            let next = if c.rank() == 0 {
+                c.recv(1, 1, &mut [0u8; 1])
+            } else {
+                c.send(0, 1, &[1u8])
+            };
+            Ok((v[0], next.err().map(|e| e.to_string())))
+        });
+        let out = all_ok(res);
+        assert_eq!(out[0].0, 8.0);
+        assert_eq!(out[1].0, 8.0);
+        let e0 = out[0].1.clone().expect("rank 0 must hear of the mismatch");
+        assert!(e0.contains("20-byte receive"), "{e0}");
     });
-    let out = all_ok(res);
-    assert_eq!(out[0].0, 8.0);
-    assert_eq!(out[1].0, 8.0);
-    let e0 = out[0].1.clone().expect("rank 0 must hear of the mismatch");
-    assert!(e0.contains("20-byte receive"), "{e0}");
 }
 
 #[test]
 fn a_tag_can_be_reused_after_a_size_mismatch() {
-    // Review finding: Ready/Nack must answer the right message (ids), not any with the tag.
-    all_ok(run_threads(2, T, |c| {
-        let big: Vec<u8> = (0..(1 << 20)).map(|i| (i % 251) as u8).collect();
-        if c.rank() == 0 {
-            c.send(1, 0, &[0u8; 10])?;
-            // The receiver's Nack precedes its next message, so this receive reports it.
-            let r = c.recv(1, 99, &mut [0u8; 1]);
-            assert!(
-                matches!(&r, Err(Error::SizeMismatch { tag: 0, .. })),
-                "{r:?}"
-            );
-            c.send(1, 0, &big)?;
-            c.send(1, 0, &big)?;
-        } else {
-            assert!(c.recv(0, 0, &mut [0u8; 20]).is_err());
-            c.send(0, 99, &[7u8])?;
-            let mut got = vec![0u8; 1 << 20];
-            c.recv(0, 0, &mut got)?;
-            assert_eq!(got, big);
-            got.fill(0);
-            c.recv(0, 0, &mut got)?;
-            assert_eq!(got, big);
-        }
-        Ok(())
-    }));
+    over_both_transports(|| {
+        // Review finding: Ready/Nack must answer the right message (ids), not any with the tag.
+        all_ok(run_threads(2, T, |c| {
+            let big: Vec<u8> = (0..(1 << 20)).map(|i| (i % 251) as u8).collect();
+            if c.rank() == 0 {
+                c.send(1, 0, &[0u8; 10])?;
+                // The receiver's Nack precedes its next message, so this receive reports it.
+                let r = c.recv(1, 99, &mut [0u8; 1]);
+                assert!(
+                    matches!(&r, Err(Error::SizeMismatch { tag: 0, .. })),
+                    "{r:?}"
+                );
+                c.send(1, 0, &big)?;
+                c.send(1, 0, &big)?;
+            } else {
+                assert!(c.recv(0, 0, &mut [0u8; 20]).is_err());
+                c.send(0, 99, &[7u8])?;
+                let mut got = vec![0u8; 1 << 20];
+                c.recv(0, 0, &mut got)?;
+                assert_eq!(got, big);
+                got.fill(0);
+                c.recv(0, 0, &mut got)?;
+                assert_eq!(got, big);
+            }
+            Ok(())
+        }));
+    });
 }
 
 #[test]
 fn both_ranks_sending_many_eager_messages_first_do_not_deadlock() {
-    // Review finding: a rank blocked in send must still drain the peer's eager messages.
-    all_ok(run_threads(2, T, |c| {
-        let other = 1 - c.rank();
-        let msg = vec![c.rank() as u8; 60 << 10];
-        for t in 0..300 {
-            c.send(other, t, &msg)?;
-        }
-        let mut got = vec![0u8; 60 << 10];
-        for t in 0..300 {
-            c.recv(other, t, &mut got)?;
-            assert!(got.iter().all(|&x| x == other as u8));
-        }
-        Ok(())
-    }));
+    over_both_transports(|| {
+        // Review finding: a rank blocked in send must still drain the peer's eager messages.
+        all_ok(run_threads(2, T, |c| {
+            let other = 1 - c.rank();
+            let msg = vec![c.rank() as u8; 60 << 10];
+            for t in 0..300 {
+                c.send(other, t, &msg)?;
+            }
+            let mut got = vec![0u8; 60 << 10];
+            for t in 0..300 {
+                c.recv(other, t, &mut got)?;
+                assert!(got.iter().all(|&x| x == other as u8));
+            }
+            Ok(())
+        }));
+    });
 }
 
 #[test]
@@ -490,16 +546,18 @@ fn all_to_all_v_with_counts_that_differ_between_ranks() {
 
 #[test]
 fn timeout_errors_report_the_timeout() {
-    let res = run_threads(2, T, |c| {
-        c.set_timeout(Duration::from_millis(250));
-        if c.rank() == 0 {
-            return Ok(Some(c.wait_signal(1, 0).unwrap_err().to_string()));
-        }
-        std::thread::sleep(Duration::from_millis(400));
-        Ok(None)
+    over_both_transports(|| {
+        let res = run_threads(2, T, |c| {
+            c.set_timeout(Duration::from_millis(250));
+            if c.rank() == 0 {
+                return Ok(Some(c.wait_signal(1, 0).unwrap_err().to_string()));
+            }
+            std::thread::sleep(Duration::from_millis(400));
+            Ok(None)
+        });
+        let msg = res.into_iter().next().unwrap().unwrap().unwrap();
+        assert!(msg.contains("250ms"), "{msg}");
     });
-    let msg = res.into_iter().next().unwrap().unwrap().unwrap();
-    assert!(msg.contains("250ms"), "{msg}");
 }
 
 #[test]
@@ -701,20 +759,22 @@ fn every_kind_of_collective_mismatch_is_reported_with_both_calls() {
 
 #[test]
 fn a_shared_connection_keeps_its_communicator_alive() {
-    all_ok(run_threads(2, T, |c| {
-        let c = std::sync::Arc::new(c);
-        let peer = 1 - c.rank();
-        let conn = c.connect_shared(peer, 9)?;
-        drop(c); // the connection holds the communicator now
-        if conn.peer() == 1 {
-            conn.send(&[5u32; 3])?;
-        } else {
-            let mut got = [0u32; 3];
-            conn.recv(&mut got)?;
-            assert_eq!(got, [5; 3]);
-        }
-        conn.close()
-    }));
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let c = std::sync::Arc::new(c);
+            let peer = 1 - c.rank();
+            let conn = c.connect_shared(peer, 9)?;
+            drop(c); // the connection holds the communicator now
+            if conn.peer() == 1 {
+                conn.send(&[5u32; 3])?;
+            } else {
+                let mut got = [0u32; 3];
+                conn.recv(&mut got)?;
+                assert_eq!(got, [5; 3]);
+            }
+            conn.close()
+        }));
+    });
 }
 
 /// A tracing subscriber that panics on every event (code of the caller's that runs inside an
@@ -797,4 +857,192 @@ fn a_failure_in_the_hierarchical_all_reduce_reaches_every_rank_at_once() {
             "rank {r} after {took:?}: {e}"
         );
     }
+}
+
+// ----- point-to-point over shared memory -----
+
+/// A byte pattern that differs per message and per position (catches lost, doubled or
+/// reordered bytes at any ring wrap-around).
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i.wrapping_mul(131) ^ seed.wrapping_mul(7919) ^ (i >> 11)) as u8)
+        .collect()
+}
+
+#[test]
+fn ranks_on_one_host_use_shared_memory_for_point_to_point_and_tcp_when_told() {
+    for transport in [TransportKind::Auto, TransportKind::Tcp] {
+        let out = all_ok(run_threads_with(2, transport, T, |c| {
+            let peer = 1 - c.rank();
+            let msg = pattern(c.rank(), 100_000);
+            let mut got = vec![0u8; msg.len()];
+            c.reset_traffic();
+            c.send_recv(peer, &msg, peer, &mut got, 3)?;
+            assert_eq!(got, pattern(peer, msg.len()));
+            Ok((c.p2p_over_shared_memory(peer), c.traffic()))
+        }));
+        for (shm, traffic) in out {
+            assert_eq!(shm, transport == TransportKind::Auto, "{transport:?}");
+            let row = traffic.iter().find(|r| r.op == "send_recv").unwrap();
+            if shm {
+                assert!(row.shm_written >= 100_000 && row.tcp_sent == 0, "{row:?}");
+            } else {
+                assert!(row.tcp_sent >= 100_000 && row.shm_written == 0, "{row:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn messages_larger_than_the_ring_arrive_intact() {
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let peer = 1 - c.rank();
+            // The ring holds 256 KiB: these wrap around it many times, at odd offsets.
+            for (i, len) in [(1 << 20) + 13, (16 << 20) + 7, 300_001, 65_536, 65_537]
+                .into_iter()
+                .enumerate()
+            {
+                if c.rank() == 0 {
+                    c.send(peer, i as u32, &pattern(i, len))?;
+                } else {
+                    let mut got = vec![0u8; len];
+                    c.recv(peer, i as u32, &mut got)?;
+                    assert!(
+                        got == pattern(i, len),
+                        "message {i} ({len} bytes) corrupted"
+                    );
+                }
+            }
+            // Both directions at once.
+            let len = (3 << 20) + 5;
+            let mut got = vec![0u8; len];
+            c.send_recv(peer, &pattern(10 + c.rank(), len), peer, &mut got, 99)?;
+            assert!(got == pattern(10 + peer, len));
+            Ok(())
+        }));
+    });
+}
+
+#[test]
+fn many_tags_interleaved_match_whatever_the_order() {
+    over_both_transports(|| {
+        all_ok(run_threads(2, T, |c| {
+            let peer = 1 - c.rank();
+            const MSGS: usize = 240;
+            const TAGS: usize = 17;
+            let len = |i: usize| (i * 997) % 40_000 + i % 3;
+            if c.rank() == 0 {
+                // Eager messages on 17 tags, 6 MB in all (far more than the ring holds):
+                // the receiver buffers what it has not asked for yet.
+                for i in 0..MSGS {
+                    c.send(peer, (i % TAGS) as u32, &pattern(i, len(i)))?;
+                }
+            } else {
+                // Tags in reverse order; within a tag, in the order sent.
+                for t in (0..TAGS).rev() {
+                    for i in (t..MSGS).step_by(TAGS) {
+                        let mut got = vec![0u8; len(i)];
+                        c.recv(peer, t as u32, &mut got)?;
+                        assert!(got == pattern(i, len(i)), "message {i} (tag {t})");
+                    }
+                }
+            }
+            c.barrier()
+        }));
+    });
+}
+
+#[test]
+fn unexpected_messages_are_buffered_only_up_to_the_bound() {
+    over_both_transports(|| {
+        let res = run_threads(2, Duration::from_secs(20), |c| {
+            let chunk = vec![7u8; 64 << 10];
+            if c.rank() == 0 {
+                // 72 MiB nobody receives: more than MAX_UNEXPECTED_BYTES (64 MiB).
+                for _ in 0..(72 << 20) / chunk.len() {
+                    if let Err(e) = c.send(1, 1, &chunk) {
+                        return Ok(Some(e));
+                    }
+                }
+                Ok(None)
+            } else {
+                let mut never = [0u8; 1];
+                Ok(Some(c.recv(0, 2, &mut never).unwrap_err()))
+            }
+        });
+        let res = all_ok(res);
+        let e = res[1].as_ref().unwrap().to_string();
+        assert!(e.contains("no receive has been posted"), "{e}");
+    });
+}
+
+#[test]
+fn mixed_hosts_pick_the_transport_per_peer() {
+    use hcomm::testing::run_threads_on_hosts;
+    // Hosts a: ranks 0, 2, 3; b: rank 1.
+    let hosts = ["a", "b", "a", "a"];
+    let out = all_ok(run_threads_on_hosts(&hosts, T, |c| {
+        let n = c.world_size();
+        let me = c.rank();
+        let mut over_shm = Vec::new();
+        for peer in (0..n).filter(|&p| p != me) {
+            over_shm.push((peer, c.p2p_over_shared_memory(peer)));
+        }
+        // Everyone exchanges with everyone, small and large, in shifting pairs.
+        for shift in 1..n {
+            let (right, left) = ((me + shift) % n, (me + n - shift) % n);
+            for len in [8, 70_000, (2 << 20) + 3] {
+                let mut got = vec![0u8; len];
+                c.send_recv(
+                    right,
+                    &pattern(me * 10 + shift, len),
+                    left,
+                    &mut got,
+                    shift as u32,
+                )?;
+                assert!(got == pattern(left * 10 + shift, len), "from {left}");
+            }
+        }
+        // Signals and connections too.
+        for peer in (0..n).filter(|&p| p != me) {
+            c.signal(peer, 5)?;
+        }
+        for peer in (0..n).filter(|&p| p != me) {
+            c.wait_signal(peer, 5)?;
+        }
+        let mut v = [1u32; 3];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v, [4; 3]);
+        Ok(over_shm)
+    }));
+    for (me, peers) in out.into_iter().enumerate() {
+        for (peer, shm) in peers {
+            assert_eq!(shm, hosts[me] == hosts[peer], "rank {me} to {peer}");
+        }
+    }
+}
+
+#[test]
+fn four_ranks_exchange_over_shared_memory_without_deadlock() {
+    // Four ranks on (usually) fewer cores: waiting must yield and sleep, not spin forever.
+    all_ok(run_threads_with(4, TransportKind::Auto, T, |c| {
+        let n = c.world_size();
+        let me = c.rank();
+        for round in 0..20 {
+            let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+            let len = if round % 2 == 0 { 8 } else { 300_000 };
+            let mut got = vec![0u8; len];
+            c.send_recv(
+                right,
+                &pattern(me + round, len),
+                left,
+                &mut got,
+                round as u32,
+            )?;
+            assert!(got == pattern(left + round, len));
+        }
+        assert!(c.p2p_over_shared_memory((me + 1) % n));
+        Ok(())
+    }));
 }

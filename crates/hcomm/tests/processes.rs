@@ -496,11 +496,16 @@ fn shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappin
             ]
         },
     );
+    // Segments of this job carry rank 0's pid (other tests running meanwhile make their own).
+    let rank0 = format!("-{}-", kids[0].id());
     assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
     let after: Vec<_> = std::fs::read_dir("/dev/shm")
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
-    let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+    let new: Vec<_> = after
+        .iter()
+        .filter(|f| !before.contains(f) && f.to_string_lossy().contains(&rank0))
+        .collect();
     assert!(new.is_empty(), "left in /dev/shm: {new:?}");
 }
 
@@ -633,4 +638,161 @@ fn killing_each_rank_during_each_collective_fails_every_survivor_naming_it() {
     println!(
         "kill matrix: {scenarios} scenarios, {survivors} survivors failed, {named} of them naming the victim"
     );
+}
+
+fn killed_p2p_peer_worker() {
+    let comm = Communicator::from_env().unwrap();
+    let me = comm.rank();
+    assert!(comm.p2p_over_shared_memory((me + 1) % 3));
+    let mut v = vec![1f32; 1000];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    if me == 1 {
+        nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)
+            .unwrap();
+    }
+    let start = Instant::now();
+    let err = if me == 0 {
+        // Waits for a message from the dead rank.
+        let mut buf = vec![0u8; 1 << 20];
+        comm.recv(1, 1, &mut buf).unwrap_err()
+    } else {
+        // Eager messages fill the ring the dead rank no longer drains, then a large one
+        // would wait for its go-ahead.
+        let small = vec![0u8; 64 << 10];
+        let big = vec![0u8; 4 << 20];
+        (0..100)
+            .map(|_| comm.send(1, 2, &small))
+            .chain(std::iter::once_with(|| comm.send(1, 3, &big)))
+            .find_map(|r| r.err())
+            .expect("sending to a dead rank must fail")
+    };
+    println!(
+        "\nSURVIVOR {me} failed after {:.1}s: {}: {err}",
+        start.elapsed().as_secs_f64(),
+        blame(&err)
+    );
+}
+
+/// Kill rank 1 of 3 (all on one host, point-to-point over shared memory) while rank 0 waits
+/// to receive from it and rank 2 sends to it: both fail naming rank 1 well within the 20 s
+/// deadline (a killed rank never closes its rings: its peers check that its process lives;
+/// one may also hear it first from the other), and nothing is left in /dev/shm.
+#[test]
+fn a_killed_peer_fails_point_to_point_over_shared_memory() {
+    if is_worker() {
+        return killed_p2p_peer_worker();
+    }
+    let port = free_port();
+    let n = 3;
+    let kids = spawn(
+        "a_killed_peer_fails_point_to_point_over_shared_memory",
+        n,
+        |r| {
+            vec![
+                ("HCOMM_RANK".into(), r.to_string()),
+                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+                ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ]
+        },
+    );
+    let rank0 = kids[0].id();
+    let res = wait_all(kids, Duration::from_secs(60));
+    for (r, (code, out)) in res.iter().enumerate() {
+        if r == 1 {
+            assert_eq!(*code, None, "rank 1 should have been killed:\n{out}");
+            continue;
+        }
+        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
+            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        // It sees rank 1 go, or is told by the other survivor, which did.
+        assert!(names(line, 1), "rank {r}: {line}");
+        let secs: f64 = line
+            .split("failed after ")
+            .nth(1)
+            .and_then(|x| x.split('s').next())
+            .and_then(|x| x.parse().ok())
+            .unwrap();
+        assert!(
+            secs < 10.0,
+            "rank {r} took {secs} s (deadline 20 s): {line}"
+        );
+    }
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|f| f.contains(&format!("-{rank0}-")))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
+}
+
+fn small_ring_worker() {
+    let comm = Communicator::from_env().unwrap();
+    let me = comm.rank();
+    let peer = 1 - me;
+    assert!(comm.p2p_over_shared_memory(peer));
+    let pattern = |seed: usize, len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i * 131) ^ (seed * 7919)) as u8)
+            .collect()
+    };
+    // Eager messages (up to 64 KiB) much larger than the 4 KiB ring, on interleaved tags,
+    // received in another order; then rendezvous messages; then both ways at once.
+    let len = |i: usize| (i * 4099) % 65_536 + 1;
+    if me == 0 {
+        for i in 0..60 {
+            comm.send(peer, (i % 7) as u32, &pattern(i, len(i)))
+                .unwrap();
+        }
+        comm.send(peer, 100, &pattern(100, (1 << 20) + 13)).unwrap();
+    } else {
+        for t in (0..7).rev() {
+            for i in (t..60).step_by(7) {
+                let mut got = vec![0u8; len(i)];
+                comm.recv(peer, t as u32, &mut got).unwrap();
+                assert!(got == pattern(i, len(i)), "message {i}");
+            }
+        }
+        let mut got = vec![0u8; (1 << 20) + 13];
+        comm.recv(peer, 100, &mut got).unwrap();
+        assert!(got == pattern(100, got.len()));
+    }
+    let n = (3 << 20) + 1;
+    let mut got = vec![0u8; n];
+    comm.send_recv(peer, &pattern(me, n), peer, &mut got, 7)
+        .unwrap();
+    assert!(got == pattern(peer, n));
+    // A size mismatch still fails on both sides.
+    let r = if me == 0 {
+        comm.send(peer, 8, &vec![0u8; 200_000])
+    } else {
+        comm.recv(peer, 8, &mut vec![0u8; 100_000])
+    };
+    assert!(matches!(r, Err(Error::SizeMismatch { .. })), "{r:?}");
+    println!("WORKER OK rank {me}");
+}
+
+/// With `HCOMM_SHM_P2P_BYTES=4096` every message wraps around its ring many times.
+#[test]
+fn point_to_point_works_through_a_4_kib_ring() {
+    if is_worker() {
+        return small_ring_worker();
+    }
+    let port = free_port();
+    let kids = spawn("point_to_point_works_through_a_4_kib_ring", 2, |r| {
+        vec![
+            ("HCOMM_RANK".into(), r.to_string()),
+            ("HCOMM_WORLD_SIZE".into(), "2".into()),
+            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ("HCOMM_SHM_P2P_BYTES".into(), "4096".into()),
+        ]
+    });
+    assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
 }

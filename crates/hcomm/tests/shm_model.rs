@@ -68,3 +68,144 @@ fn double_buffered_slots_are_never_overwritten_while_read() {
         other.join().unwrap();
     });
 }
+
+// ----- point-to-point rings (`src/shm/ring.rs`, README "Point-to-point rings") -----
+
+use hcomm::shm::ring::{Bytes, Counter, Ring};
+
+/// The ring's counter on loom's atomics.
+struct LoomCounter(loom::sync::atomic::AtomicU64);
+
+impl Counter for LoomCounter {
+    fn load(&self, order: Ordering) -> u64 {
+        self.0.load(order)
+    }
+    fn store(&self, value: u64, order: Ordering) {
+        self.0.store(value, order)
+    }
+}
+
+/// The ring's bytes in loom cells: loom reports any access that races with another.
+struct LoomBytes(Vec<UnsafeCell<u8>>);
+
+impl Bytes for LoomBytes {
+    fn capacity(&self) -> usize {
+        self.0.len()
+    }
+    unsafe fn copy_in(&self, at: usize, src: &[u8]) {
+        for (i, &b) in src.iter().enumerate() {
+            self.0[at + i].with_mut(|p| unsafe { *p = b });
+        }
+    }
+    unsafe fn copy_out(&self, at: usize, dst: &mut [u8]) {
+        for (i, d) in dst.iter_mut().enumerate() {
+            *d = self.0[at + i].with(|p| unsafe { *p });
+        }
+    }
+}
+
+struct SharedRing {
+    head: LoomCounter,
+    tail: LoomCounter,
+    bytes: LoomBytes,
+}
+
+impl SharedRing {
+    fn new(cap: usize) -> Arc<SharedRing> {
+        Arc::new(SharedRing {
+            head: LoomCounter(loom::sync::atomic::AtomicU64::new(0)),
+            tail: LoomCounter(loom::sync::atomic::AtomicU64::new(0)),
+            bytes: LoomBytes((0..cap).map(|_| UnsafeCell::new(0)).collect()),
+        })
+    }
+    fn ring(&self) -> Ring<'_, LoomCounter, LoomBytes> {
+        Ring {
+            head: &self.head,
+            tail: &self.tail,
+            bytes: &self.bytes,
+        }
+    }
+}
+
+/// The real ring code (`Ring::push` / `Ring::pop`) on a 3-byte ring: a producer streams 7 bytes
+/// in pieces of 2 and 3 (split across two slices, so pushes wrap around inside a piece), a
+/// consumer takes them 2 at a time. In every interleaving every byte arrives exactly once, in
+/// order, and no byte is read while it is written (loom's cells would report the race).
+#[test]
+fn ring_wrap_around_loses_and_duplicates_no_byte() {
+    const DATA: [u8; 7] = [1, 2, 3, 4, 5, 6, 7];
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(3);
+    model.check(|| {
+        let shared = SharedRing::new(3);
+        let s = shared.clone();
+        let producer = loom::thread::spawn(move || {
+            let ring = s.ring();
+            let mut sent = 0;
+            let mut piece = 2;
+            while sent < DATA.len() {
+                let end = (sent + piece).min(DATA.len());
+                let mid = sent + 1;
+                let n = ring.push(&[&DATA[sent..mid], &DATA[mid..end]]);
+                if n == 0 {
+                    loom::thread::yield_now();
+                }
+                sent += n;
+                piece = 5 - piece;
+            }
+        });
+        let ring = shared.ring();
+        let mut got = Vec::new();
+        while got.len() < DATA.len() {
+            let mut buf = [0u8; 2];
+            let n = ring.pop(&mut buf);
+            if n == 0 {
+                loom::thread::yield_now();
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        producer.join().unwrap();
+        assert_eq!(got, DATA, "bytes lost, doubled or reordered");
+        assert_eq!(ring.available(), 0);
+    });
+}
+
+/// The doorbell handshake of `src/shm/p2p.rs`: a consumer with nothing to read registers as a
+/// sleeper, fences, reads its doorbell, looks at the ring once more and only then sleeps (on
+/// the doorbell value it read); the producer pushes (the real `Ring::push`), fences and rings
+/// the doorbell when it sees a sleeper. Either the consumer sees the byte and does not sleep,
+/// or the producer sees the sleeper and bumps the doorbell (so the futex compare fails or the
+/// wake finds the sleeper): no interleaving loses the wake-up.
+#[test]
+fn ring_doorbell_never_loses_a_wakeup() {
+    loom::model(|| {
+        let shared = SharedRing::new(4);
+        let bell = Arc::new(AtomicU32::new(0));
+        let sleepers = Arc::new(AtomicU32::new(0));
+        let (s, b, z) = (shared.clone(), bell.clone(), sleepers.clone());
+        let producer = loom::thread::spawn(move || {
+            assert_eq!(s.ring().push(&[&[42u8]]), 1);
+            // ShmPipe::write → P2pShm::notify
+            fence(Ordering::SeqCst);
+            if z.load(Ordering::Relaxed) != 0 {
+                b.fetch_add(1, Ordering::Release);
+                true
+            } else {
+                false
+            }
+        });
+        // P2pShm::sleep with ready() = "the ring has a byte"
+        sleepers.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let seen = bell.load(Ordering::Acquire);
+        let ready = shared.ring().available() > 0;
+        let rang = producer.join().unwrap();
+        // The kernel sleeps only while the doorbell still holds `seen`; it then needs a wake.
+        let sleeps = !ready && bell.load(Ordering::Relaxed) == seen;
+        assert!(
+            !sleeps || rang,
+            "the consumer sleeps and the producer does not ring"
+        );
+        sleepers.fetch_sub(1, Ordering::Relaxed);
+    });
+}

@@ -10,9 +10,11 @@
 
 mod all_to_all_v;
 pub mod futex;
+pub mod p2p;
+pub mod ring;
+pub mod segment;
 
 pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
-pub mod segment;
 
 use crate::algo::even_segments;
 use crate::dtype::{DType, ReduceOp};
@@ -115,7 +117,7 @@ pub struct Fingerprint {
 }
 
 /// Inode of this process's pid namespace (0 if unknown).
-fn pid_namespace() -> u32 {
+pub(crate) fn pid_namespace() -> u32 {
     std::fs::metadata("/proc/self/ns/pid")
         .map(|m| std::os::unix::fs::MetadataExt::ino(&m) as u32)
         .unwrap_or(0)
@@ -373,26 +375,13 @@ impl ShmGroup {
             if now.duration_since(last_check) >= Duration::from_millis(100) {
                 last_check = now;
                 let pid = self.seg.atomic_u32(line + PID).load(Ordering::Acquire);
-                // A pid only means something in our own pid namespace.
-                let same_ns = self.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed)
-                    == self.pidns
-                    && self.pidns != 0;
-                if same_ns && pid != 0 && pid != std::process::id() {
-                    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                        // Gone, or a zombie its parent (a launcher) has not reaped yet.
-                        if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
-                            || is_zombie(pid.as_raw_pid())
-                        {
-                            return Err(Error::PeerClosed {
-                                ctx: w.ctx.clone(),
-                                peer: p,
-                                detail: format!(
-                                    "its process {} is gone (shared memory)",
-                                    pid.as_raw_pid()
-                                ),
-                            });
-                        }
-                    }
+                let ns = self.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed);
+                if let Some(detail) = process_gone(pid, ns, self.pidns) {
+                    return Err(Error::PeerClosed {
+                        ctx: w.ctx.clone(),
+                        peer: p,
+                        detail,
+                    });
                 }
             }
         }
@@ -907,6 +896,18 @@ impl ShmGroup {
             }
         }
     }
+}
+
+/// If process `pid` (of pid namespace `ns`; ours is `my_ns`) is gone, or a zombie its parent
+/// (a launcher) has not reaped yet: why, for an error message. A pid only means something in
+/// our own pid namespace; our own pid (ranks as threads) is never gone.
+pub(crate) fn process_gone(pid: u32, ns: u32, my_ns: u32) -> Option<String> {
+    if ns != my_ns || my_ns == 0 || pid == 0 || pid == std::process::id() {
+        return None;
+    }
+    let p = rustix::process::Pid::from_raw(pid as i32)?;
+    (rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH) || is_zombie(pid as i32))
+        .then(|| format!("its process {pid} is gone (shared memory)"))
 }
 
 /// True if process `pid` has exited but was not reaped (state `Z` in `/proc/PID/stat`).

@@ -33,6 +33,7 @@ use crate::auth::{
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, OpContext, Result};
 use crate::reduce::{reduce_into, Order};
+use crate::shm::p2p::{P2pShm, ShmPipe};
 use crate::transport::frame::{Header, Kind, HEADER_LEN};
 use crate::transport::wait::{Spinner, WaitPolicy};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -92,6 +93,8 @@ impl Sink<'_> {
 /// A frame to send.
 pub struct SendOp<'a> {
     peer: usize,
+    /// The link it goes on (see [`TcpLinks::route`]); set when an exchange starts.
+    link: usize,
     hdr: [u8; HEADER_LEN],
     data: &'a [u8],
     written: usize,
@@ -103,6 +106,7 @@ impl<'a> SendOp<'a> {
         debug_assert_eq!(hdr.len as usize, data.len());
         SendOp {
             peer,
+            link: peer,
             hdr: hdr.encode(),
             data,
             written: 0,
@@ -178,6 +182,8 @@ impl Expect {
 /// A frame to receive.
 pub struct RecvOp<'a> {
     peer: usize,
+    /// The link it reads (see [`TcpLinks::route`]); set when an exchange starts.
+    link: usize,
     expect: Expect,
     sink: Sink<'a>,
     /// Set when the frame is complete; for control frames, the received header.
@@ -227,6 +233,7 @@ impl<'a> RecvOp<'a> {
     fn make(peer: usize, expect: Expect, sink: Sink<'a>) -> RecvOp<'a> {
         RecvOp {
             peer,
+            link: peer,
             expect,
             sink,
             got: None,
@@ -356,9 +363,49 @@ enum Target {
     Discard(u64),
 }
 
-/// Incoming side of a link: a socket plus its input buffer and frame state.
+/// What carries a link's bytes.
+enum Pipe {
+    /// A TCP socket (non-blocking).
+    Tcp(Socket),
+    /// The shared-memory rings with a peer on this host (point-to-point only).
+    Shm(ShmPipe),
+}
+
+impl Pipe {
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Pipe::Tcp(s) => (&*s).read(buf),
+            Pipe::Shm(p) => p.read(buf),
+        }
+    }
+
+    /// Write the unsent part of a frame: `hdr[from..]` then `data` when `from` is inside the
+    /// header, else `data[from - HEADER_LEN..]`.
+    fn send_frame(&self, hdr: &[u8], data: &[u8], from: usize) -> io::Result<usize> {
+        match self {
+            Pipe::Tcp(sock) if from < HEADER_LEN => {
+                let bufs = [IoSlice::new(&hdr[from..]), IoSlice::new(data)];
+                sock.send_vectored_with_flags(&bufs, nosignal())
+            }
+            Pipe::Tcp(sock) => sock.send_with_flags(&data[from - HEADER_LEN..], nosignal()),
+            Pipe::Shm(p) if from < HEADER_LEN => p.write(&[&hdr[from..], data]),
+            Pipe::Shm(p) => p.write(&[&data[from - HEADER_LEN..]]),
+        }
+    }
+
+    /// Send a short notice whole or not at all, without blocking.
+    fn send_whole(&self, bytes: &[u8]) -> io::Result<usize> {
+        match self {
+            Pipe::Tcp(sock) => sock.send_with_flags(bytes, nosignal() | dontwait()),
+            Pipe::Shm(p) => p.write_whole(bytes),
+        }
+    }
+}
+
+/// Incoming side of a link: a socket (or shared-memory pipe) plus its input buffer and frame
+/// state.
 struct Inbound {
-    sock: Socket,
+    pipe: Pipe,
     ibuf: Vec<u8>,
     ipos: usize,
     iend: usize,
@@ -397,8 +444,12 @@ impl Inbound {
             let _ = sock.set_send_buffer_size(b);
             let _ = sock.set_recv_buffer_size(b);
         }
+        Self::with_pipe(Pipe::Tcp(sock))
+    }
+
+    fn with_pipe(pipe: Pipe) -> Inbound {
         Inbound {
-            sock,
+            pipe,
             ibuf: vec![0u8; IBUF],
             ipos: 0,
             iend: 0,
@@ -650,8 +701,16 @@ pub struct TcpLinks {
     peers: Vec<SocketAddr>,
     me: Identity,
     acceptor: Acceptor,
-    /// The link with each peer (one socket, both directions).
+    /// Number of ranks.
+    n: usize,
+    /// The links: index `p` is the socket with peer `p` (both directions, everything);
+    /// index `n + p` the shared-memory pipe with `p` when `p` shares this host (point-to-point
+    /// frames only, see [`route`](Self::route)).
     inb: Vec<Option<Inbound>>,
+    /// The point-to-point segment of this host, when the pipes exist.
+    shm: Option<Arc<P2pShm>>,
+    /// When the shared-memory peers' processes were last checked for life.
+    shm_checked: Instant,
     /// Sockets this (higher) rank opened to a lower rank, waiting for its adoption ack.
     asking: Vec<Option<Socket>>,
     /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
@@ -667,10 +726,10 @@ pub struct TcpLinks {
     op_timeout: Duration,
     /// poll(2) saw the acceptor hand over a connection.
     listener_ready: bool,
-    /// Bytes written to the links' sockets (frame headers and payload), ever.
-    bytes_sent: u64,
-    /// Bytes of frames (headers and payload) taken from the links, ever.
-    bytes_received: u64,
+    /// Bytes written to the links (frame headers and payload), ever: `[tcp, shm]`.
+    sent: [u64; 2],
+    /// Bytes of frames (headers and payload) taken from the links, ever: `[tcp, shm]`.
+    received: [u64; 2],
 }
 
 fn would_block(e: &io::Error) -> bool {
@@ -721,7 +780,10 @@ impl TcpLinks {
             peers,
             acceptor: Acceptor::start(listener, me.clone())?,
             me,
-            inb: (0..n).map(|_| None).collect(),
+            n,
+            inb: (0..2 * n).map(|_| None).collect(),
+            shm: None,
+            shm_checked: Instant::now(),
             asking: (0..n).map(|_| None).collect(),
             asked_at: vec![None; n],
             policy,
@@ -730,8 +792,8 @@ impl TcpLinks {
             next_id: 1,
             op_timeout: Duration::ZERO,
             listener_ready: false,
-            bytes_sent: 0,
-            bytes_received: 0,
+            sent: [0; 2],
+            received: [0; 2],
         })
     }
 
@@ -742,7 +804,50 @@ impl TcpLinks {
     /// count for the operation whose frame they belong to). The connection handshakes (a
     /// 16-byte greeting and a 1-byte adoption answer per link, once) do not count.
     pub fn bytes_moved(&self) -> (u64, u64) {
-        (self.bytes_sent, self.bytes_received)
+        (self.sent[0], self.received[0])
+    }
+
+    /// Like [`bytes_moved`](Self::bytes_moved), for the shared-memory pipes: bytes copied into
+    /// and out of the rings, `(written, read)`.
+    pub fn shm_bytes_moved(&self) -> (u64, u64) {
+        (self.sent[1], self.received[1])
+    }
+
+    /// Carry point-to-point with the given peers over `shm` (`peers[i]` = the communicator
+    /// rank of local index `i`; this rank is among them).
+    pub fn attach_shm(&mut self, shm: Arc<P2pShm>, peers: &[usize]) {
+        for (i, &p) in peers.iter().enumerate() {
+            if p != self.rank {
+                self.inb[self.n + p] = Some(Inbound::with_pipe(Pipe::Shm(shm.pipe(i))));
+            }
+        }
+        self.shm = Some(shm);
+    }
+
+    /// True if point-to-point with `peer` goes over shared memory.
+    pub fn p2p_over_shm(&self, peer: usize) -> bool {
+        self.inb.get(self.n + peer).is_some_and(|l| l.is_some())
+    }
+
+    /// The link a frame to or from `peer` goes on: point-to-point frames (data, handshakes,
+    /// signals) over the shared-memory pipe when there is one, everything else (collectives)
+    /// over the socket.
+    fn route(&self, peer: usize, p2p: bool) -> usize {
+        if p2p && self.p2p_over_shm(peer) {
+            self.n + peer
+        } else {
+            peer
+        }
+    }
+
+    /// 0 for a socket, 1 for a shared-memory pipe (index into the byte counters).
+    fn kind_of(&self, link: usize) -> usize {
+        usize::from(link >= self.n)
+    }
+
+    /// True if this rank has any link (socket or pipe) a peer could hear a notice on.
+    pub fn any_links(&self) -> bool {
+        self.inb.iter().any(|l| l.is_some())
     }
 
     /// Share the communicator's abort flag.
@@ -777,13 +882,17 @@ impl TcpLinks {
 
     /// The number of sockets currently open (both directions), for memory/fd accounting.
     pub fn open_links(&self) -> usize {
-        self.inb.iter().filter(|s| s.is_some()).count()
+        self.inb[..self.n].iter().filter(|s| s.is_some()).count()
     }
 
     /// Make sure a link with `peer` exists or is on its way. Returns whether it exists now.
     fn ensure_link(&mut self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<bool> {
         if self.inb[peer].is_some() {
             return Ok(true);
+        }
+        if peer >= self.n {
+            // Pipes exist from the start or never.
+            return Ok(false);
         }
         if self.rank > peer {
             // The lower rank may have connected already (and even left since): take that first.
@@ -947,7 +1056,8 @@ impl TcpLinks {
 
     /// Take a `Nack` that `peer` sent about an earlier eager message, if any.
     pub fn take_nack(&mut self, peer: usize) -> Option<Header> {
-        self.inb.get_mut(peer)?.as_mut()?.take_nack()
+        let link = self.route(peer, true);
+        self.inb.get_mut(link)?.as_mut()?.take_nack()
     }
 
     /// Drive all `sends` and `recvs` to completion, concurrently, before `deadline`.
@@ -975,11 +1085,13 @@ impl TcpLinks {
         deadline: Instant,
         any: bool,
     ) -> Result<()> {
-        for s in sends.iter() {
-            self.ensure_link(ctx, s.peer, deadline)?;
+        for s in sends.iter_mut() {
+            s.link = self.route(s.peer, s.hdr[2] != Kind::Collective as u8);
+            self.ensure_link(ctx, s.link, deadline)?;
         }
-        for r in recvs.iter() {
-            self.ensure_link(ctx, r.peer, deadline)?;
+        for r in recvs.iter_mut() {
+            r.link = self.route(r.peer, !matches!(r.expect, Expect::Coll(_)));
+            self.ensure_link(ctx, r.link, deadline)?;
         }
         for r in recvs.iter_mut() {
             if r.id == 0 {
@@ -989,7 +1101,7 @@ impl TcpLinks {
             if matches!(r.sink, Sink::Reduce { .. }) && r.staging.is_empty() {
                 r.staging = self.take_staging();
             }
-            if let Some(inb) = self.inb[r.peer].as_mut() {
+            if let Some(inb) = self.inb[r.link].as_mut() {
                 inb.take_stashed(r);
             }
         }
@@ -1042,7 +1154,7 @@ impl TcpLinks {
                 if s.written == 0 || s.is_done() || failed.contains(&s.peer) {
                     continue;
                 }
-                if self.inb[s.peer].as_ref().is_none_or(|i| i.eof) {
+                if self.inb[s.link].as_ref().is_none_or(|i| i.eof) {
                     continue;
                 }
                 if self.pump_send(ctx, s).is_err() {
@@ -1074,11 +1186,11 @@ impl TcpLinks {
                 if sends[i].is_done()
                     || sends[..i]
                         .iter()
-                        .any(|s| s.peer == sends[i].peer && !s.is_done())
+                        .any(|s| s.link == sends[i].link && !s.is_done())
                 {
                     continue;
                 }
-                if self.inb[sends[i].peer].is_none() {
+                if self.inb[sends[i].link].is_none() {
                     missing = true;
                     continue;
                 }
@@ -1088,16 +1200,16 @@ impl TcpLinks {
                 if recvs[i].done()
                     || recvs[..i]
                         .iter()
-                        .any(|r| r.peer == recvs[i].peer && !r.done())
+                        .any(|r| r.link == recvs[i].link && !r.done())
                 {
                     continue;
                 }
-                let peer = recvs[i].peer;
-                if self.inb[peer].is_none() {
+                let link = recvs[i].link;
+                if self.inb[link].is_none() {
                     missing = true;
                     continue;
                 }
-                progress |= self.pump_recv(ctx, peer, recvs, Mode::Posted)?;
+                progress |= self.pump_recv(ctx, link, recvs, Mode::Posted)?;
             }
             if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
@@ -1108,12 +1220,12 @@ impl TcpLinks {
             if missing {
                 // Links on their way: asks answered, connections accepted, asks repeated.
                 progress |= self.pump_asking();
-                for peer in sends
+                for link in sends
                     .iter()
-                    .map(|s| s.peer)
-                    .chain(recvs.iter().map(|r| r.peer))
+                    .map(|s| s.link)
+                    .chain(recvs.iter().map(|r| r.link))
                 {
-                    self.ensure_link(ctx, peer, deadline)?;
+                    self.ensure_link(ctx, link, deadline)?;
                 }
             }
             if missing || woke && self.listener_ready {
@@ -1122,11 +1234,11 @@ impl TcpLinks {
             }
             if !progress {
                 // Idle: drain what other links hold for later operations.
-                for peer in 0..self.inb.len() {
-                    let idle_link = matches!(&self.inb[peer], Some(inb) if !inb.parked && !inb.eof)
-                        && !recvs.iter().any(|r| r.peer == peer && !r.done());
+                for link in 0..self.inb.len() {
+                    let idle_link = matches!(&self.inb[link], Some(inb) if !inb.parked && !inb.eof)
+                        && !recvs.iter().any(|r| r.link == link && !r.done());
                     if idle_link {
-                        progress |= self.pump_recv(ctx, peer, recvs, Mode::Opportunistic)?;
+                        progress |= self.pump_recv(ctx, link, recvs, Mode::Opportunistic)?;
                     }
                 }
             }
@@ -1192,26 +1304,89 @@ impl TcpLinks {
         recvs: &[RecvOp],
         deadline: Instant,
     ) -> Result<()> {
+        // What each link waits for: (read, write).
+        let wants = |link: usize, inb: &Inbound| {
+            let wanted = recvs.iter().any(|r| r.link == link && !r.done());
+            (
+                wanted || !(inb.parked || inb.eof),
+                sends.iter().any(|s| s.link == link && !s.is_done()),
+            )
+        };
         let mut fds: Vec<PollFd> = Vec::with_capacity(sends.len() + self.inb.len() + 1);
-        for (peer, inb) in self.inb.iter().enumerate() {
-            if let Some(inb) = inb {
-                let wanted = recvs.iter().any(|r| r.peer == peer && !r.done());
-                let mut flags = PollFlags::empty();
-                if wanted || !(inb.parked || inb.eof) {
-                    flags |= PollFlags::POLLIN;
+        let mut pipes: Vec<(usize, &ShmPipe, bool, bool)> = Vec::new();
+        for (link, inb) in self.inb.iter().enumerate() {
+            let Some(inb) = inb else { continue };
+            let (read, write) = wants(link, inb);
+            match &inb.pipe {
+                Pipe::Tcp(sock) => {
+                    let mut flags = PollFlags::empty();
+                    if read {
+                        flags |= PollFlags::POLLIN;
+                    }
+                    if write {
+                        flags |= PollFlags::POLLOUT;
+                    }
+                    if !flags.is_empty() {
+                        fds.push(PollFd::new(sock.as_fd(), flags));
+                    }
                 }
-                if sends.iter().any(|s| s.peer == peer && !s.is_done()) {
-                    flags |= PollFlags::POLLOUT;
-                }
-                if !flags.is_empty() {
-                    fds.push(PollFd::new(inb.sock.as_fd(), flags));
-                }
+                Pipe::Shm(p) if read || write => pipes.push((link, p, read, write)),
+                Pipe::Shm(_) => {}
             }
         }
         for sock in self.asking.iter().flatten() {
             fds.push(PollFd::new(sock.as_fd(), PollFlags::POLLIN));
         }
         fds.push(PollFd::new(self.acceptor.wake.as_fd(), PollFlags::POLLIN));
+        if !pipes.is_empty() {
+            // Shared-memory peers: their processes must still live (a killed one never closes
+            // its end), checked every 100 ms.
+            let now = Instant::now();
+            if now.duration_since(self.shm_checked) >= Duration::from_millis(100) {
+                for (link, p, ..) in &pipes {
+                    if let Some(detail) = p.peer_gone() {
+                        return Err(Error::PeerClosed {
+                            ctx: ctx.clone(),
+                            peer: link - self.n,
+                            detail,
+                        });
+                    }
+                }
+                self.shm_checked = now;
+            }
+            // Sockets that are ready already come first; then sleep on this rank's doorbell,
+            // briefly when sockets matter too (they cannot wake a futex).
+            let sockets_ready = |fds: &mut [PollFd]| match poll(fds, PollTimeout::ZERO) {
+                Ok(n) => n > 0,
+                Err(_) => false,
+            };
+            let mut any = sockets_ready(&mut fds);
+            if !any {
+                let shm = pipes[0].1.shm();
+                let nap = if fds.len() > 1 { 1 } else { 10 };
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(nap));
+                shm.sleep(
+                    || {
+                        pipes
+                            .iter()
+                            .any(|(_, p, r, w)| *r && p.readable() || *w && p.writable())
+                    },
+                    left,
+                );
+                any = sockets_ready(&mut fds);
+            }
+            let listener_ready = any
+                && fds
+                    .last()
+                    .and_then(|f| f.revents())
+                    .is_some_and(|r| r.intersects(PollFlags::POLLIN | PollFlags::POLLERR));
+            drop(fds);
+            drop(pipes);
+            self.listener_ready |= listener_ready;
+            return Ok(());
+        }
         // Wake at least every 100 ms so that deadlines and aborts are honoured promptly.
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -1230,27 +1405,22 @@ impl TcpLinks {
     }
 
     fn pump_send(&mut self, ctx: &OpContext, s: &mut SendOp) -> Result<bool> {
-        let sock = &self.inb[s.peer].as_ref().expect("linked").sock;
+        let pipe = &self.inb[s.link].as_ref().expect("linked").pipe;
+        let k = self.kind_of(s.link);
         let mut progress = false;
         while !s.is_done() {
-            let res = if s.written < HEADER_LEN {
-                let bufs = [IoSlice::new(&s.hdr[s.written..]), IoSlice::new(s.data)];
-                sock.send_vectored_with_flags(&bufs, nosignal())
-            } else {
-                sock.send_with_flags(&s.data[s.written - HEADER_LEN..], nosignal())
-            };
-            match res {
+            match pipe.send_frame(&s.hdr, s.data, s.written) {
                 Ok(0) => break,
                 Ok(n) => {
                     s.written += n;
-                    self.bytes_sent += n as u64;
+                    self.sent[k] += n as u64;
                     progress = true;
                 }
                 Err(e) if would_block(&e) => break,
                 Err(e) => return Err(peer_io_error(ctx, s.peer, e)),
             }
         }
-        if let Some(inb) = self.inb[s.peer].as_mut() {
+        if let Some(inb) = self.inb[s.link].as_mut() {
             inb.out_mid_frame = s.written > 0 && !s.is_done();
         }
         Ok(progress)
@@ -1308,7 +1478,7 @@ impl TcpLinks {
             }
             // 40 bytes into a socket buffer: all or nothing in practice. After a partial
             // write the stream is out of step: no further notice goes on this link.
-            match inb.sock.send_with_flags(&bytes, nosignal() | dontwait()) {
+            match inb.pipe.send_whole(&bytes) {
                 Ok(n) if n == bytes.len() => {}
                 Ok(0) | Err(_) => {}
                 Ok(_) => inb.out_mid_frame = true,
@@ -1321,15 +1491,17 @@ impl TcpLinks {
     fn pump_recv(
         &mut self,
         ctx: &OpContext,
-        peer: usize,
+        link: usize,
         recvs: &mut [RecvOp],
         mode: Mode,
     ) -> Result<bool> {
-        let inb = self.inb[peer].as_mut().expect("accepted");
+        let peer = link % self.n;
+        let k = self.kind_of(link);
+        let inb = self.inb[link].as_mut().expect("accepted");
         if mode == Mode::Posted {
             inb.parked = false;
         }
-        let wanted = |recvs: &[RecvOp]| recvs.iter().any(|r| r.peer == peer && !r.done());
+        let wanted = |recvs: &[RecvOp]| recvs.iter().any(|r| r.link == link && !r.done());
         let mut progress = false;
         loop {
             // Payload of the current frame.
@@ -1367,7 +1539,7 @@ impl TcpLinks {
                         Target::Stash(h, data) => {
                             inb.push_stash(Stashed::Eager(h, data));
                             // A receive posted while this frame was on its way takes it now.
-                            for r in recvs.iter_mut().filter(|r| r.peer == peer) {
+                            for r in recvs.iter_mut().filter(|r| r.link == link) {
                                 inb.take_stashed(r);
                             }
                         }
@@ -1389,7 +1561,7 @@ impl TcpLinks {
                         Target::Discard(_) => {}
                     }
                     inb.ipos += n;
-                    self.bytes_received += n as u64;
+                    self.received[k] += n as u64;
                     inb.cur = Some((target, left - n));
                     progress = true;
                     continue;
@@ -1398,10 +1570,10 @@ impl TcpLinks {
                 inb.iend = 0;
                 if matches!(target, Target::Recv(_)) && left >= DIRECT_READ_MIN && !inb.eof {
                     let buf = recvs[idx].direct_target(left);
-                    match (&inb.sock).read(buf) {
+                    match inb.pipe.read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
                         Ok(n) => {
-                            self.bytes_received += n as u64;
+                            self.received[k] += n as u64;
                             recvs[idx].direct_done(n);
                             inb.cur = Some((target, left - n));
                             progress = true;
@@ -1456,12 +1628,12 @@ impl TcpLinks {
                 }
             }
             inb.ipos += HEADER_LEN;
-            self.bytes_received += HEADER_LEN as u64;
+            self.received[k] += HEADER_LEN as u64;
             progress = true;
             let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
                 recvs
                     .iter()
-                    .position(|r| r.peer == peer && !r.done() && r.pending.is_none() && pred(r))
+                    .position(|r| r.link == link && !r.done() && r.pending.is_none() && pred(r))
             };
             match hdr.kind {
                 Kind::Collective => {
@@ -1619,7 +1791,7 @@ fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<b
             Ok(false)
         };
     }
-    match (&inb.sock).read(&mut inb.ibuf[inb.iend..]) {
+    match inb.pipe.read(&mut inb.ibuf[inb.iend..]) {
         Ok(0) => {
             inb.eof = true;
             if mode == Mode::Posted {
@@ -1689,7 +1861,7 @@ fn next_abort(inb: &mut Inbound) -> Option<Header> {
             return None;
         }
         reads += 1;
-        match (&inb.sock).read(&mut inb.ibuf[inb.iend..]) {
+        match inb.pipe.read(&mut inb.ibuf[inb.iend..]) {
             Ok(0) => {
                 inb.eof = true;
                 return None;
