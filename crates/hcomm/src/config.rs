@@ -1107,6 +1107,7 @@ mod tests {
             ("HCOMM_TRANSPORT", "tcp"),
             ("HCOMM_SOCKET_IFNAME", "eth1"),
             ("HCOMM_TOKEN_FILE", "/run/token"),
+            ("HCOMM_NSOCKS", "8"),
         ]);
         assert_eq!(
             c,
@@ -1125,6 +1126,7 @@ mod tests {
                 token_file: Some(PathBuf::from("/run/token")),
                 job_token: None,
                 source: LaunchSource::Hcomm,
+                nsocks: 8,
             }
         );
     }
@@ -1682,6 +1684,7 @@ mod tests {
                 token_file: Some(PathBuf::from("token")),
                 job_token: None,
                 source: LaunchSource::RankTable,
+                nsocks: 1,
             }
         );
         let c = t.bootstrap_for(0).unwrap();
