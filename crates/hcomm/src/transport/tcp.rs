@@ -15,6 +15,14 @@
 //!   [`PRE_AUTH_DEADLINE`](crate::auth::PRE_AUTH_DEADLINE)), so strangers, garbage and silent
 //!   connections are dropped without ever reaching, or stalling, the progress loop; only
 //!   authenticated sockets are handed to it.
+//! * With `nsocks` > 1 (`HCOMM_NSOCKS`) a link is that many sockets: whoever opened socket 0
+//!   opens the others, and each dialer names its socket (and `nsocks`) in two bytes after the
+//!   handshake. Payloads of `2 ×` [`STRIPE_MIN`] bytes or more whose size both sides know
+//!   (collective frames, rendezvous data) are cut into [`stripes`] contiguous slices
+//!   ([`stripe_bounds`]), each a frame of its own on its socket, read straight into its part
+//!   of the destination. Control frames and eager messages use socket 0. Each socket keeps
+//!   frame order; a receive (a [`RecvOp`] of several parts) completes with its last slice. The
+//!   same loop drives every socket: no threads (see `docs/design.md`).
 //! * Every frame starts with a [`Header`]; collectives carry their fingerprint in it.
 //! * Point-to-point: messages up to [`EAGER_MAX`] bytes are sent at once and stashed by the
 //!   receiver until its receive is posted; larger ones send an RTS, wait for the receiver's
@@ -23,8 +31,9 @@
 //!   from links it is not reading for the current operation (so two ranks that both send
 //!   first never deadlock on full socket buffers); a link whose next frame belongs to a later
 //!   operation is parked until that operation reads it.
-//! * Memory per link: a 64 KiB input buffer, stashed eager messages up to
-//!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer.
+//! * Memory per link: a 64 KiB input buffer per socket, stashed eager messages up to
+//!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer per
+//!   slice.
 
 use crate::auth::{
     self, ConnectionStats, Counters, HandshakeError, JobToken, Local, PendingSlot, Role,
