@@ -312,9 +312,11 @@ pub struct Calibration {
 
 /// Fit α (latency) and β (link bandwidth) of the one-rank-per-host ring all-reduce,
 /// `T(S) = 2(n−1)·(α + S/(n·β)) + (n−1)·S/(n·γ)` (the schedule [`predict`] times; `gamma`,
-/// the reduction throughput, is given, not fitted), by least squares on the relative error:
-/// each sample weighs `1/T²`, so microsecond and second-long sizes count alike and α comes
-/// from the small sizes, β from the large ones. A fit with α < 0 is redone with α = 0.
+/// the reduction throughput, is given, not fitted), by least squares in two steps, as times
+/// spanning microseconds to seconds need: β from an ordinary least-squares fit of α and β to
+/// the times (which the large sizes dominate), then α, with that β, by least squares on the
+/// relative error (each sample weighs `1/T²`) of the sizes in the latency regime (where
+/// `S/β` is at most half the time; every size if none is). α is never negative.
 pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> {
     if samples.len() < 2 {
         return Err(format!(
@@ -328,37 +330,44 @@ pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> 
         .map(|s| {
             let (n, b) = (s.ranks as f64, s.bytes as f64);
             let y = s.seconds - (n - 1.0) * b / (n * gamma);
-            (
-                2.0 * (n - 1.0),
-                2.0 * (n - 1.0) * b / n,
-                y,
-                1.0 / (s.seconds * s.seconds),
-            )
+            (2.0 * (n - 1.0), 2.0 * (n - 1.0) * b / n, y, s.seconds)
         })
         .collect();
     let sum = |f: &dyn Fn(&(f64, f64, f64, f64)) -> f64| terms.iter().map(f).sum::<f64>();
+    // Step 1: ordinary least squares for (α, 1/β); keep 1/β (refitted alone if α < 0).
     let (s11, s12, s22) = (
-        sum(&|t| t.3 * t.0 * t.0),
-        sum(&|t| t.3 * t.0 * t.1),
-        sum(&|t| t.3 * t.1 * t.1),
+        sum(&|t| t.0 * t.0),
+        sum(&|t| t.0 * t.1),
+        sum(&|t| t.1 * t.1),
     );
-    let (s1y, s2y) = (sum(&|t| t.3 * t.0 * t.2), sum(&|t| t.3 * t.1 * t.2));
+    let (s1y, s2y) = (sum(&|t| t.0 * t.2), sum(&|t| t.1 * t.2));
     let det = s11 * s22 - s12 * s12;
-    let (mut alpha, mut inv_beta) = if det > 1e-12 * s11 * s22 {
-        ((s1y * s22 - s2y * s12) / det, (s11 * s2y - s12 * s1y) / det)
-    } else {
+    if det <= 1e-12 * s11 * s22 {
         return Err("every row has the same size: α and β cannot be told apart".into());
-    };
-    if alpha < 0.0 {
-        alpha = 0.0;
+    }
+    let mut inv_beta = (s11 * s2y - s12 * s1y) / det;
+    if (s1y * s22 - s2y * s12) / det < 0.0 {
         inv_beta = s2y / s22;
     }
-    if !(inv_beta > 0.0) {
+    if inv_beta.is_nan() || inv_beta <= 0.0 {
         return Err(format!(
             "the times grow no faster with size than the reduction alone ({} GB/s, --reduce-gbs) explains",
             gamma / 1e9
         ));
     }
+    // Step 2: α given β, on the relative error, from the sizes where the bandwidth term is at
+    // most half the time (the latency regime; all sizes if there are none such).
+    let latency_bound = |t: &(f64, f64, f64, f64)| t.1 * inv_beta <= 0.5 * t.2;
+    let any_latency_bound = terms.iter().any(latency_bound);
+    let w = |t: &(f64, f64, f64, f64)| {
+        if latency_bound(t) || !any_latency_bound {
+            1.0 / (t.3 * t.3)
+        } else {
+            0.0
+        }
+    };
+    let alpha = (sum(&|t| w(t) * t.0 * (t.2 - t.1 * inv_beta)) / sum(&|t| w(t) * t.0 * t.0))
+        .max(0.0);
     let beta = 1.0 / inv_beta;
     let rows = samples
         .iter()
