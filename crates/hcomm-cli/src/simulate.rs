@@ -366,8 +366,8 @@ pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> 
             0.0
         }
     };
-    let alpha = (sum(&|t| w(t) * t.0 * (t.2 - t.1 * inv_beta)) / sum(&|t| w(t) * t.0 * t.0))
-        .max(0.0);
+    let alpha =
+        (sum(&|t| w(t) * t.0 * (t.2 - t.1 * inv_beta)) / sum(&|t| w(t) * t.0 * t.0)).max(0.0);
     let beta = 1.0 / inv_beta;
     let rows = samples
         .iter()

@@ -299,3 +299,92 @@ fn bytes_moved_count_one_header_per_stripe() {
         assert_eq!(received, sent, "{t:?}");
     }
 }
+
+#[test]
+fn an_authenticated_connection_naming_a_wrong_socket_is_dropped() {
+    use hcomm::auth::{self, JobToken, Local, Role};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Instant;
+    const TOKEN: &str = "nsocks-test-token-0123456789";
+    let token = JobToken::new(TOKEN.as_bytes()).unwrap();
+    let stats = std::sync::Barrier::new(2);
+    let res = run_threads_configured(
+        2,
+        T,
+        |cfg| BootstrapConfig {
+            transport: TransportKind::Tcp,
+            nsocks: 4,
+            job_token: Some(token.clone()),
+            ..cfg
+        },
+        |c| {
+            let peer = 1 - c.rank();
+            c.send_recv(peer, &[1u8; 600_000], peer, &mut [0u8; 600_000], 1)?;
+            if c.rank() == 1 {
+                // Knows the token and claims rank 0, then names socket 7 of 4, and socket 0 of 9.
+                for bad in [[7u8, 4], [0, 9]] {
+                    let mut s = TcpStream::connect(c.listen_addr()).unwrap();
+                    let me = Local {
+                        role: Role::LinkDialer,
+                        rank: 0,
+                        comm_hash: auth::comm_hash("world"),
+                    };
+                    let far = Instant::now() + Duration::from_secs(10);
+                    auth::connect(&mut s, Some(&token), me, 1, far).unwrap();
+                    s.write_all(&bad).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                    let mut got = Vec::new();
+                    let _ = s.read_to_end(&mut got);
+                    assert!(got.is_empty(), "{bad:?} got {got:?}");
+                }
+            }
+            stats.wait();
+            // The links still work.
+            let mut back = vec![0u8; 600_000];
+            c.send_recv(peer, &[2u8; 600_000], peer, &mut back, 2)?;
+            assert!(back.iter().all(|&x| x == 2));
+            Ok(c.connection_stats())
+        },
+    );
+    let stats = all_ok(res);
+    assert_eq!(stats[1].malformed, 2, "{:?}", stats[1]);
+    // Rank 1 accepted rank 0's 4 sockets (rank 0 may also have seen an ask of rank 1's that
+    // lost the race to its own connection).
+    assert!(
+        stats[1].accepted >= 4 && stats[0].malformed == 0,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_higher_rank_that_needs_the_link_first_opens_every_socket() {
+    // Rank 1 sends to rank 0 while rank 0 waits for rank 2: rank 0 adopts rank 1's ask
+    // (socket 0), rank 1 then opens sockets 1-3 itself, and its message is striped over all
+    // four. Rank 1 never accepts a connection from rank 0.
+    let res = run(
+        3,
+        |_| 4,
+        |c| {
+            let big = pattern(2_000_003, 1);
+            match c.rank() {
+                0 => {
+                    let mut b = [0u8; 3];
+                    c.recv(2, 5, &mut b)?;
+                    let mut got = vec![0u8; big.len()];
+                    c.recv(1, 4, &mut got)?;
+                    assert!(got == big && b == [5; 3]);
+                }
+                1 => c.send(0, 4, &big)?,
+                _ => {
+                    std::thread::sleep(Duration::from_millis(300));
+                    c.send(0, 5, &[5u8; 3])?;
+                }
+            }
+            Ok(c.connection_stats().accepted)
+        },
+    );
+    let accepted = all_ok(res);
+    assert_eq!(accepted[1], 0, "{accepted:?}");
+    assert!(accepted[0] >= 4, "{accepted:?}");
+}
