@@ -324,23 +324,33 @@ pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> 
             samples.len()
         ));
     }
-    // y = T − reduction = x1·α + x2·(1/β)
-    let terms: Vec<(f64, f64, f64, f64)> = samples
+    // y = T − reduction = x1·α + x2·(1/β); t = T.
+    struct Term {
+        x1: f64,
+        x2: f64,
+        y: f64,
+        t: f64,
+    }
+    let terms: Vec<Term> = samples
         .iter()
         .map(|s| {
             let (n, b) = (s.ranks as f64, s.bytes as f64);
-            let y = s.seconds - (n - 1.0) * b / (n * gamma);
-            (2.0 * (n - 1.0), 2.0 * (n - 1.0) * b / n, y, s.seconds)
+            Term {
+                x1: 2.0 * (n - 1.0),
+                x2: 2.0 * (n - 1.0) * b / n,
+                y: s.seconds - (n - 1.0) * b / (n * gamma),
+                t: s.seconds,
+            }
         })
         .collect();
-    let sum = |f: &dyn Fn(&(f64, f64, f64, f64)) -> f64| terms.iter().map(f).sum::<f64>();
+    let sum = |f: &dyn Fn(&Term) -> f64| terms.iter().map(f).sum::<f64>();
     // Step 1: ordinary least squares for (α, 1/β); keep 1/β (refitted alone if α < 0).
     let (s11, s12, s22) = (
-        sum(&|t| t.0 * t.0),
-        sum(&|t| t.0 * t.1),
-        sum(&|t| t.1 * t.1),
+        sum(&|t| t.x1 * t.x1),
+        sum(&|t| t.x1 * t.x2),
+        sum(&|t| t.x2 * t.x2),
     );
-    let (s1y, s2y) = (sum(&|t| t.0 * t.2), sum(&|t| t.1 * t.2));
+    let (s1y, s2y) = (sum(&|t| t.x1 * t.y), sum(&|t| t.x2 * t.y));
     let det = s11 * s22 - s12 * s12;
     if det <= 1e-12 * s11 * s22 {
         return Err("every row has the same size: α and β cannot be told apart".into());
@@ -357,17 +367,17 @@ pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> 
     }
     // Step 2: α given β, on the relative error, from the sizes where the bandwidth term is at
     // most half the time (the latency regime; all sizes if there are none such).
-    let latency_bound = |t: &(f64, f64, f64, f64)| t.1 * inv_beta <= 0.5 * t.2;
+    let latency_bound = |t: &Term| t.x2 * inv_beta <= 0.5 * t.y;
     let any_latency_bound = terms.iter().any(latency_bound);
-    let w = |t: &(f64, f64, f64, f64)| {
+    let w = |t: &Term| {
         if latency_bound(t) || !any_latency_bound {
-            1.0 / (t.3 * t.3)
+            1.0 / (t.t * t.t)
         } else {
             0.0
         }
     };
     let alpha =
-        (sum(&|t| w(t) * t.0 * (t.2 - t.1 * inv_beta)) / sum(&|t| w(t) * t.0 * t.0)).max(0.0);
+        (sum(&|t| w(t) * t.x1 * (t.y - t.x2 * inv_beta)) / sum(&|t| w(t) * t.x1 * t.x1)).max(0.0);
     let beta = 1.0 / inv_beta;
     let rows = samples
         .iter()
