@@ -161,6 +161,11 @@ struct SimulateArgs {
     /// One JSON object per row.
     #[arg(long)]
     json: bool,
+    /// Instead of predicting: fit the network latency and bandwidth to the ring all-reduce
+    /// rows of this `hcomm bench allreduce --json` output (one rank per host; the reduction
+    /// runs at --reduce-gbs), and show measured against predicted times.
+    #[arg(long, value_name = "FILE")]
+    calibrate: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -517,6 +522,9 @@ fn cmd_simulate(a: SimulateArgs) -> ExitCode {
         hcomm_cli::say!("hcomm simulate: ranks, hosts, bandwidths and rates must be positive, latencies not negative");
         return ExitCode::from(2);
     }
+    if let Some(path) = &a.calibrate {
+        return simulate_calibrate(path, a.reduce_gbs * 1e9, a.json);
+    }
     let m = Model {
         ranks_per_host: a.ranks_per_host,
         hosts: a.hosts,
@@ -552,6 +560,79 @@ fn cmd_simulate(a: SimulateArgs) -> ExitCode {
             }
         }
     }
+    ExitCode::SUCCESS
+}
+
+/// `hcomm simulate --calibrate FILE`.
+fn simulate_calibrate(path: &std::path::Path, gamma: f64, json: bool) -> ExitCode {
+    use hcomm_cli::simulate::{calibrate, parse_bench_rows};
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            hcomm_cli::say!("hcomm simulate: --calibrate {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    let rows = parse_bench_rows(&text);
+    let c = match calibrate(&rows, gamma) {
+        Ok(c) => c,
+        Err(e) => {
+            hcomm_cli::say!(
+                "hcomm simulate: --calibrate {}: {e} (rows of `hcomm bench allreduce --json --algo ring` are used)",
+                path.display()
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let (alpha_us, gbit) = (c.alpha_net * 1e6, c.beta_net * 8.0 / 1e9);
+    if json {
+        let rows: Vec<serde_json::Value> = c
+            .rows
+            .iter()
+            .map(|(s, t)| {
+                serde_json::json!({
+                    "ranks": s.ranks,
+                    "bytes": s.bytes,
+                    "measured_us": s.seconds * 1e6,
+                    "predicted_us": t * 1e6,
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "net_latency_us": alpha_us,
+            "net_gbit": gbit,
+            "reduce_gbs": gamma / 1e9,
+            "rows": rows,
+        });
+        println!("{out}");
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "# hcomm simulate --calibrate {}: {} ring all-reduce rows, one rank per host, reduction {} GB/s",
+        path.display(),
+        c.rows.len(),
+        gamma / 1e9
+    );
+    println!(
+        "# fitted: alpha = {alpha_us:.2} us per message, beta = {gbit:.3} Gbit/s per host link"
+    );
+    println!(
+        "#{:>6} {:>13} {:>14} {:>14} {:>8}",
+        "ranks", "size(B)", "measured(us)", "predicted(us)", "error"
+    );
+    for (s, t) in &c.rows {
+        println!(
+            " {:>6} {:>13} {:>14.2} {:>14.2} {:>7.1}%",
+            s.ranks,
+            s.bytes,
+            s.seconds * 1e6,
+            t * 1e6,
+            (t / s.seconds - 1.0) * 100.0
+        );
+    }
+    println!(
+        "# predict with: hcomm simulate --net-latency-us {alpha_us:.2} --net-gbit {gbit:.3} ..."
+    );
     ExitCode::SUCCESS
 }
 

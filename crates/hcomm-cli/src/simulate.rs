@@ -265,6 +265,146 @@ pub fn predict(m: &Model, bytes: usize) -> Vec<Prediction> {
         .collect()
 }
 
+/// One measured ring all-reduce: a row of `hcomm bench allreduce --json`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// Ranks of the run.
+    pub ranks: usize,
+    /// Message size in bytes.
+    pub bytes: usize,
+    /// Measured time per call (s).
+    pub seconds: f64,
+}
+
+/// The ring all-reduce rows of `hcomm bench allreduce --json` output (one JSON object per
+/// line; lines that are not such rows, and a launcher's `[rank] ` prefix, are skipped). Rows
+/// of other algorithms (the selector picks recursive doubling for small sizes: force
+/// `--algo ring` to calibrate on every size) and of one rank are left out.
+pub fn parse_bench_rows(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter_map(|line| {
+            let v: serde_json::Value = serde_json::from_str(&line[line.find('{')?..]).ok()?;
+            let field = |k: &str| v.get(k);
+            if field("op")?.as_str()? != "allreduce" || field("algo")?.as_str()? != "ring" {
+                return None;
+            }
+            let sample = Sample {
+                ranks: usize::try_from(field("ranks")?.as_u64()?).ok()?,
+                bytes: usize::try_from(field("bytes")?.as_u64()?).ok()?,
+                seconds: field("time_us")?.as_f64()? * 1e-6,
+            };
+            (sample.ranks >= 2 && sample.seconds > 0.0 && sample.seconds.is_finite())
+                .then_some(sample)
+        })
+        .collect()
+}
+
+/// Link constants fitted to measured ring all-reduce times.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    /// Latency of a message between hosts (s).
+    pub alpha_net: f64,
+    /// Bandwidth of a host's link (bytes/s).
+    pub beta_net: f64,
+    /// Each sample with the time the fitted model predicts for it (s).
+    pub rows: Vec<(Sample, f64)>,
+}
+
+/// Fit α (latency) and β (link bandwidth) of the one-rank-per-host ring all-reduce,
+/// `T(S) = 2(n−1)·(α + S/(n·β)) + (n−1)·S/(n·γ)` (the schedule [`predict`] times; `gamma`,
+/// the reduction throughput, is given, not fitted), by least squares in two steps, as times
+/// spanning microseconds to seconds need: β from an ordinary least-squares fit of α and β to
+/// the times (which the large sizes dominate), then α, with that β, by least squares on the
+/// relative error (each sample weighs `1/T²`) of the sizes in the latency regime (where
+/// `S/β` is at most half the time; every size if none is). α is never negative.
+pub fn calibrate(samples: &[Sample], gamma: f64) -> Result<Calibration, String> {
+    if samples.len() < 2 {
+        return Err(format!(
+            "{} ring all-reduce row(s): at least 2, of different sizes, are needed",
+            samples.len()
+        ));
+    }
+    // y = T − reduction = x1·α + x2·(1/β); t = T.
+    struct Term {
+        x1: f64,
+        x2: f64,
+        y: f64,
+        t: f64,
+    }
+    let terms: Vec<Term> = samples
+        .iter()
+        .map(|s| {
+            let (n, b) = (s.ranks as f64, s.bytes as f64);
+            Term {
+                x1: 2.0 * (n - 1.0),
+                x2: 2.0 * (n - 1.0) * b / n,
+                y: s.seconds - (n - 1.0) * b / (n * gamma),
+                t: s.seconds,
+            }
+        })
+        .collect();
+    let sum = |f: &dyn Fn(&Term) -> f64| terms.iter().map(f).sum::<f64>();
+    // Step 1: ordinary least squares for (α, 1/β); keep 1/β (refitted alone if α < 0).
+    let (s11, s12, s22) = (
+        sum(&|t| t.x1 * t.x1),
+        sum(&|t| t.x1 * t.x2),
+        sum(&|t| t.x2 * t.x2),
+    );
+    let (s1y, s2y) = (sum(&|t| t.x1 * t.y), sum(&|t| t.x2 * t.y));
+    let det = s11 * s22 - s12 * s12;
+    if det <= 1e-12 * s11 * s22 {
+        return Err("every row has the same size: α and β cannot be told apart".into());
+    }
+    let mut inv_beta = (s11 * s2y - s12 * s1y) / det;
+    if (s1y * s22 - s2y * s12) / det < 0.0 {
+        inv_beta = s2y / s22;
+    }
+    if inv_beta.is_nan() || inv_beta <= 0.0 {
+        return Err(format!(
+            "the times grow no faster with size than the reduction alone ({} GB/s, --reduce-gbs) explains",
+            gamma / 1e9
+        ));
+    }
+    // Step 2: α given β, on the relative error, from the sizes where the bandwidth term is at
+    // most half the time (the latency regime; all sizes if there are none such).
+    let latency_bound = |t: &Term| t.x2 * inv_beta <= 0.5 * t.y;
+    let any_latency_bound = terms.iter().any(latency_bound);
+    let w = |t: &Term| {
+        if latency_bound(t) || !any_latency_bound {
+            1.0 / (t.t * t.t)
+        } else {
+            0.0
+        }
+    };
+    let alpha =
+        (sum(&|t| w(t) * t.x1 * (t.y - t.x2 * inv_beta)) / sum(&|t| w(t) * t.x1 * t.x1)).max(0.0);
+    let beta = 1.0 / inv_beta;
+    let rows = samples
+        .iter()
+        .map(|&s| {
+            let m = Model {
+                ranks_per_host: 1,
+                hosts: s.ranks,
+                alpha_net: alpha,
+                beta_net: beta,
+                alpha_shm: 0.0,
+                beta_mem: f64::INFINITY,
+                gamma,
+            };
+            let t = predict(&m, s.bytes)
+                .into_iter()
+                .find(|p| p.collective == "all_reduce" && p.algorithm == "ring")
+                .map_or(f64::NAN, |p| p.seconds);
+            (s, t)
+        })
+        .collect();
+    Ok(Calibration {
+        alpha_net: alpha,
+        beta_net: beta,
+        rows,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,5 +492,72 @@ mod tests {
             hier > s / m.beta_net && hier < 1.1 * s / m.beta_net,
             "{hier}"
         );
+    }
+
+    /// Ring all-reduce times of a known model, optionally off by `noise(i)` (relative).
+    fn synthetic(alpha: f64, beta: f64, gamma: f64, noise: impl Fn(usize) -> f64) -> String {
+        let mut out = String::new();
+        let mut i = 0;
+        for n in [2usize, 4] {
+            for bytes in [8usize, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20] {
+                let nf = n as f64;
+                let b = bytes as f64;
+                let t =
+                    2.0 * (nf - 1.0) * (alpha + b / (nf * beta)) + (nf - 1.0) * b / (nf * gamma);
+                let t = t * (1.0 + noise(i));
+                i += 1;
+                out += &format!(
+                    "[0] {{\"op\":\"allreduce\",\"ranks\":{n},\"bytes\":{bytes},\"algo\":\"ring\",\"time_us\":{}}}\n",
+                    t * 1e6
+                );
+            }
+        }
+        // Rows that must be left out: another algorithm, another op, garbage, a table line.
+        out += "{\"op\":\"allreduce\",\"ranks\":2,\"bytes\":8,\"algo\":\"rd\",\"time_us\":1e9}\n";
+        out += "{\"op\":\"broadcast\",\"ranks\":2,\"bytes\":8,\"algo\":\"ring\",\"time_us\":1e9}\n";
+        out += "#        size        count     type\nnot json {\n";
+        out
+    }
+
+    #[test]
+    fn calibration_recovers_known_constants() {
+        let (alpha, beta, gamma) = (50e-6, 1.25e9, 8e9);
+        let rows = parse_bench_rows(&synthetic(alpha, beta, gamma, |_| 0.0));
+        assert_eq!(rows.len(), 12);
+        let c = calibrate(&rows, gamma).unwrap();
+        assert!((c.alpha_net / alpha - 1.0).abs() < 1e-6, "{}", c.alpha_net);
+        assert!((c.beta_net / beta - 1.0).abs() < 1e-6, "{}", c.beta_net);
+        for (s, t) in &c.rows {
+            assert!((t / s.seconds - 1.0).abs() < 1e-6, "{s:?}: predicted {t}");
+        }
+        // ±2% noise on every row: still within a few percent.
+        let noisy = parse_bench_rows(&synthetic(alpha, beta, gamma, |i| {
+            0.02 * if i % 3 == 0 { 1.0 } else { -1.0 }
+        }));
+        let c = calibrate(&noisy, gamma).unwrap();
+        assert!((c.alpha_net / alpha - 1.0).abs() < 0.05, "{}", c.alpha_net);
+        assert!((c.beta_net / beta - 1.0).abs() < 0.05, "{}", c.beta_net);
+    }
+
+    #[test]
+    fn calibration_refuses_what_it_cannot_fit() {
+        assert!(calibrate(&[], 8e9).is_err());
+        let one = Sample {
+            ranks: 2,
+            bytes: 1 << 20,
+            seconds: 1e-3,
+        };
+        assert!(calibrate(&[one, one], 8e9)
+            .unwrap_err()
+            .contains("same size"));
+        // Faster than the reduction alone allows.
+        let fast = |bytes| Sample {
+            ranks: 2,
+            bytes,
+            seconds: 1e-6,
+        };
+        assert!(calibrate(&[fast(8), fast(64 << 20)], 1e9)
+            .unwrap_err()
+            .contains("--reduce-gbs"));
     }
 }

@@ -613,3 +613,49 @@ fn all_to_all_between_processes_over_shared_memory() {
     assert_eq!(code, Some(0), "{out}\n{err}");
     assert!(out.contains("16 passed, 0 failed"), "{out}");
 }
+
+#[test]
+fn simulate_calibrates_on_bench_rows() {
+    // Rows as `hcomm run … hcomm bench allreduce --json` prints them, from α = 40 µs,
+    // β = 10 Gbit/s and the default 8 GB/s reduction, 2 ranks.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ring.jsonl");
+    let mut text = String::from("# a comment line\n");
+    for bytes in [8u64, 4096, 1 << 20, 64 << 20] {
+        let b = bytes as f64;
+        let t = 2.0 * (40e-6 + b / (2.0 * 1.25e9)) + b / (2.0 * 8e9);
+        text += &format!(
+            "[0] {{\"op\":\"allreduce\",\"ranks\":2,\"bytes\":{bytes},\"algo\":\"ring\",\"time_us\":{}}}\n",
+            t * 1e6
+        );
+    }
+    std::fs::write(&path, text).unwrap();
+    let p = path.to_str().unwrap();
+    let (code, out, err) = hcomm(&["simulate", "--calibrate", p], Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("alpha = 40.00 us") && out.contains("beta = 10.000 Gbit/s"),
+        "{out}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with("0.0%")).count(),
+        4,
+        "{out}"
+    );
+    let (code, out, err) = hcomm(
+        &["simulate", "--calibrate", p, "--json"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(
+        (v["net_latency_us"].as_f64().unwrap() - 40.0).abs() < 1e-6,
+        "{v}"
+    );
+    assert_eq!(v["rows"].as_array().unwrap().len(), 4);
+    // Nothing to fit: a clear error.
+    std::fs::write(&path, "not a bench row\n").unwrap();
+    let (code, _, err) = hcomm(&["simulate", "--calibrate", p], Duration::from_secs(30));
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--algo ring"), "{err}");
+}

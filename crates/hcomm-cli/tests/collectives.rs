@@ -2,13 +2,18 @@
 //! against the CPU reference, at 1, 2, 3 and 4 ranks (ranks are threads of this process, each
 //! with its own communicator over loopback TCP).
 
-use hcomm::testing::run_threads;
-use hcomm::{Collective, DType, ReduceOp};
+use hcomm::config::TransportKind;
+use hcomm::testing::{run_threads, run_threads_configured};
+use hcomm::{BootstrapConfig, Collective, DType, ReduceOp};
 use hcomm_cli::check::{run, CheckOpts};
 use std::time::Duration;
 
 fn sweep(n: usize, o: CheckOpts) {
     let res = run_threads(n, Duration::from_secs(60), |comm| run(&comm, &o));
+    assert_clean(n, res);
+}
+
+fn assert_clean(n: usize, res: Vec<hcomm::Result<(usize, usize)>>) {
     for (rank, r) in res.into_iter().enumerate() {
         let (cases, failed) = r.unwrap_or_else(|e| panic!("{n} ranks, rank {rank}: {e}"));
         assert!(cases > 0);
@@ -41,6 +46,52 @@ fn large(n: usize) {
             ..CheckOpts::full()
         },
     );
+}
+
+/// TCP only, 4 sockets per peer (`HCOMM_NSOCKS=4`): sizes carried by one socket (below the
+/// 256 KiB striping threshold per frame) and striped ones, with counts that neither the world
+/// size nor the socket count divides (1 MiB + 3 bytes of i8: uneven stripes and blocks).
+fn striped(n: usize) {
+    let o = CheckOpts {
+        dtypes: vec![DType::F32, DType::I8, DType::BF16, DType::F64],
+        ops: vec![ReduceOp::Sum, ReduceOp::Max],
+        counts: vec![0, 7, 1031, 100_003, (1 << 20) + 3],
+        ..CheckOpts::full()
+    };
+    let res = run_threads_configured(
+        n,
+        Duration::from_secs(60),
+        |cfg| BootstrapConfig {
+            transport: TransportKind::Tcp,
+            nsocks: 4,
+            ..cfg
+        },
+        |comm| {
+            assert_eq!(comm.nsocks(), 4);
+            run(&comm, &o)
+        },
+    );
+    assert_clean(n, res);
+}
+
+#[test]
+fn nsocks_4_1_rank() {
+    striped(1);
+}
+
+#[test]
+fn nsocks_4_2_ranks() {
+    striped(2);
+}
+
+#[test]
+fn nsocks_4_3_ranks() {
+    striped(3);
+}
+
+#[test]
+fn nsocks_4_4_ranks() {
+    striped(4);
 }
 
 #[test]

@@ -39,6 +39,19 @@ impl Cluster {
 
     /// `hcomm run` for node `node` of `nodes` in host `node`'s namespace.
     fn node(&self, node: usize, nodes: usize, local: usize, port: u16, args: &[&str]) -> Child {
+        self.node_with(node, nodes, local, port, args, &[])
+    }
+
+    /// [`node`](Self::node) with extra environment variables for the ranks.
+    fn node_with(
+        &self,
+        node: usize,
+        nodes: usize,
+        local: usize,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Child {
         let master = format!("10.77.0.10:{port}");
         let mut cmd = Command::new("bash");
         cmd.args([
@@ -74,6 +87,7 @@ impl Cluster {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        cmd.envs(env.iter().copied());
         for v in [
             "HCOMM_RANK",
             "RANK",
@@ -185,8 +199,72 @@ fn three_hosts_of_one_rank() {
 }
 
 #[test]
+fn two_hosts_with_four_sockets_per_link() {
+    // HCOMM_NSOCKS=4 across namespaces: the collectives at sizes carried by one socket and
+    // striped over four (600000 and 1 MiB + 3 elements: uneven stripes), against the
+    // reference, then the benchmark's own check at 1-8 MiB.
+    let Some(c) = Cluster::up(2, "d") else { return };
+    let env = [("HCOMM_NSOCKS", "4")];
+    let check = [
+        "check",
+        "--quick",
+        "--colls",
+        "allreduce,broadcast,allgather,reducescatter,alltoall",
+        "--algos",
+        "ring,rd,tree,chain",
+        "--counts",
+        "0,7,1031,600000,1048579",
+    ];
+    let bench = [
+        "bench",
+        "allreduce",
+        "-b",
+        "1M",
+        "-e",
+        "8M",
+        "-f",
+        "2",
+        "-n",
+        "3",
+        "-w",
+        "1",
+    ];
+    for (i, args) in [&check[..], &bench[..]].into_iter().enumerate() {
+        let kids = (0..2)
+            .map(|h| c.node_with(h, 2, 1, port() + i as u16, args, &env))
+            .collect();
+        let res = wait_nodes(kids, Duration::from_secs(240));
+        for (h, (code, out)) in res.iter().enumerate() {
+            assert_eq!(*code, Some(0), "{args:?} host {h}:\n{out}");
+        }
+        let out = &res[0].1;
+        if i == 0 {
+            assert!(
+                out.contains(" 0 failed") && out.contains("2 ranks"),
+                "{out}"
+            );
+        } else {
+            // 1, 2, 4 and 8 MiB, each checked with no wrong element.
+            assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+            let rows = out.lines().filter(|l| l.contains(" ring")).count();
+            assert_eq!(rows, 4, "{out}");
+        }
+    }
+}
+
+#[test]
 fn a_cut_link_fails_every_rank_cleanly() {
-    let Some(c) = Cluster::up(2, "c") else { return };
+    cut_link("c", "1");
+}
+
+#[test]
+fn a_cut_link_of_four_sockets_fails_every_rank_cleanly() {
+    // 1 MiB all-reduces with HCOMM_NSOCKS=4: every ring step is striped over the 4 sockets.
+    cut_link("e", "4");
+}
+
+fn cut_link(tag: &str, nsocks: &str) {
+    let Some(c) = Cluster::up(2, tag) else { return };
     let args = [
         "bench",
         "allreduce",
@@ -201,7 +279,10 @@ fn a_cut_link_fails_every_rank_cleanly() {
         "-c",
         "0",
     ];
-    let kids: Vec<Child> = (0..2).map(|h| c.node(h, 2, 1, port(), &args)).collect();
+    let env = [("HCOMM_NSOCKS", nsocks)];
+    let kids: Vec<Child> = (0..2)
+        .map(|h| c.node_with(h, 2, 1, port(), &args, &env))
+        .collect();
     // Let the job start, then pull host 1's cable.
     std::thread::sleep(Duration::from_secs(2));
     let cut = Instant::now();

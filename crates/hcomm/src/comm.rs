@@ -283,6 +283,8 @@ pub struct Communicator {
     _server: Option<Arc<StoreServer>>,
     /// Transport setting (inherited by sub-communicators).
     transport: TransportKind,
+    /// Data sockets per pair of ranks (`HCOMM_NSOCKS`; inherited by sub-communicators).
+    nsocks: usize,
     /// Bytes of shared memory the collectives' segment takes (0 without one).
     shm_bytes: usize,
     /// Bytes of shared memory the point-to-point rings of this host take (0 without).
@@ -508,6 +510,7 @@ impl Communicator {
             algo,
             transport: cfg.transport,
             token,
+            nsocks: cfg.nsocks,
         })?;
         tracing::info!(
             rank = comm.rank,
@@ -536,7 +539,14 @@ impl Communicator {
             algo,
             transport,
             token,
+            nsocks,
         } = a;
+        if !(1..=BootstrapConfig::MAX_NSOCKS).contains(&nsocks) {
+            return Err(Error::Config(format!(
+                "HCOMM_NSOCKS={nsocks}: the number of sockets per pair of ranks must be 1 to {}",
+                BootstrapConfig::MAX_NSOCKS
+            )));
+        }
         let listener = TcpLinks::listen(ip)
             .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?;
         let addr: SocketAddr = listener
@@ -547,8 +557,17 @@ impl Communicator {
         let me = PeerInfo {
             addr,
             host_id: host_id.clone(),
+            nsocks,
         };
         let peers = bootstrap::exchange_peer_info(&mut store, &comm_id, rank, size, &me, timeout)?;
+        // Both ends of a link must cut large frames into the same stripes.
+        if let Some((r, p)) = peers.iter().enumerate().find(|(_, p)| p.nsocks != nsocks) {
+            return Err(Error::Config(format!(
+                "HCOMM_NSOCKS differs between ranks: rank {r} uses {}, this rank ({rank}) {nsocks}; \
+                 set the same value for every rank",
+                p.nsocks
+            )));
+        }
         let hosts: Vec<String> = peers.iter().map(|p| p.host_id.clone()).collect();
         let local: Vec<usize> = (0..size).filter(|&r| hosts[r] == host_id).collect();
         let local_rank = local.iter().position(|&r| r == rank).unwrap_or(0);
@@ -564,6 +583,7 @@ impl Communicator {
             hash64(&comm_id),
             token.clone(),
             policy,
+            nsocks,
         )
         .map_err(|e| Error::Config(format!("cannot start accepting data links: {e}")))?;
         let (listen_addr, link_counters) = (links.listen_addr(), links.counters());
@@ -630,6 +650,7 @@ impl Communicator {
             }),
             _server: server,
             transport,
+            nsocks,
             shm_bytes,
             p2p_shm_bytes,
             store: Mutex::new(None),
@@ -642,6 +663,13 @@ impl Communicator {
             link_counters,
             engine: Engine::default(),
         })
+    }
+
+    /// Data sockets per pair of ranks (`HCOMM_NSOCKS`): TCP payloads of
+    /// [`STRIPE_MIN`](crate::transport::tcp::STRIPE_MIN) bytes or more are striped across up
+    /// to this many sockets per peer.
+    pub fn nsocks(&self) -> usize {
+        self.nsocks
     }
 
     /// The address this rank accepts data links of this communicator on.
@@ -1526,6 +1554,7 @@ impl Communicator {
             algo,
             transport: self.transport,
             token: self.token.clone(),
+            nsocks: self.nsocks,
         })?;
         c.thresholds = self.thresholds;
         Ok(c)
@@ -1977,6 +2006,7 @@ struct BuildArgs {
     algo: HashMap<Collective, Algo>,
     transport: TransportKind,
     token: Option<JobToken>,
+    nsocks: usize,
 }
 
 /// A connection to one peer under one tag (connection-oriented point-to-point, as HCCL's

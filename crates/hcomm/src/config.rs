@@ -132,6 +132,10 @@ pub struct BootstrapConfig {
     pub job_token: Option<JobToken>,
     /// Where `rank` and `world_size` came from.
     pub source: LaunchSource,
+    /// Data sockets per pair of ranks (`HCOMM_NSOCKS`, `1..=`[`BootstrapConfig::MAX_NSOCKS`]):
+    /// large TCP payloads are striped across them (see `docs/multi-host.md`). Every rank of a
+    /// job must use the same value.
+    pub nsocks: usize,
 }
 
 /// Errors found while reading the configuration. Each message names the
@@ -391,6 +395,24 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
         Ok(Some(d))
     }
 
+    fn nsocks(&self) -> Result<Option<usize>, ConfigError> {
+        const VAR: &str = "HCOMM_NSOCKS";
+        let Some(v) = self.get(VAR) else {
+            return Ok(None);
+        };
+        let n = parse_uint(VAR, &v)?;
+        if !(1..=BootstrapConfig::MAX_NSOCKS).contains(&n) {
+            return Err(ConfigError::InvalidValue {
+                var: VAR.into(),
+                reason: format!(
+                    "'{v}': the number of sockets per pair of ranks must be 1 to {}",
+                    BootstrapConfig::MAX_NSOCKS
+                ),
+            });
+        }
+        Ok(Some(n))
+    }
+
     fn transport(&self) -> Result<Option<TransportKind>, ConfigError> {
         const VAR: &str = "HCOMM_TRANSPORT";
         self.get(VAR)
@@ -436,6 +458,8 @@ impl BootstrapConfig {
     pub const DEFAULT_PORT: u16 = 29500;
     /// Bootstrap timeout used when none is configured.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+    /// Most data sockets per pair of ranks (`HCOMM_NSOCKS`).
+    pub const MAX_NSOCKS: usize = 16;
 
     /// Reads the configuration from the process environment; see
     /// [`BootstrapConfig::from_vars`] for the rules.
@@ -585,6 +609,7 @@ impl BootstrapConfig {
             token_file: vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from),
             job_token: None,
             source: launcher.source,
+            nsocks: vars.nsocks()?.unwrap_or(1),
         }
         .with_env_token(&vars, false)
     }
@@ -643,7 +668,8 @@ impl BootstrapConfig {
     ///
     /// What the table names wins. For what it leaves out, `HCOMM_TIMEOUT`,
     /// `HCOMM_TRANSPORT`, `HCOMM_SOCKET_IFNAME` and `HCOMM_TOKEN_FILE` from
-    /// the environment still apply, then the defaults.
+    /// the environment still apply, then the defaults. `HCOMM_NSOCKS` (which
+    /// the table has no field for) always applies.
     pub fn from_rank_table(path: &Path, rank: usize) -> Result<Self, ConfigError> {
         Self::from_rank_table_with(path, rank, env_var)
     }
@@ -668,6 +694,9 @@ impl BootstrapConfig {
         }
         if cfg.socket_ifname.is_none() {
             cfg.socket_ifname = vars.get("HCOMM_SOCKET_IFNAME");
+        }
+        if let Some(n) = vars.nsocks()? {
+            cfg.nsocks = n;
         }
         if cfg.token_file.is_none() {
             cfg.token_file = vars.get("HCOMM_TOKEN_FILE").map(PathBuf::from);
@@ -1028,6 +1057,7 @@ impl RankTable {
             token_file: self.token_file.clone(),
             job_token: None,
             source: LaunchSource::RankTable,
+            nsocks: 1,
         })
     }
 }
@@ -1077,6 +1107,7 @@ mod tests {
             ("HCOMM_TRANSPORT", "tcp"),
             ("HCOMM_SOCKET_IFNAME", "eth1"),
             ("HCOMM_TOKEN_FILE", "/run/token"),
+            ("HCOMM_NSOCKS", "8"),
         ]);
         assert_eq!(
             c,
@@ -1095,6 +1126,7 @@ mod tests {
                 token_file: Some(PathBuf::from("/run/token")),
                 job_token: None,
                 source: LaunchSource::Hcomm,
+                nsocks: 8,
             }
         );
     }
@@ -1464,6 +1496,7 @@ mod tests {
         assert_eq!(c.master_port, BootstrapConfig::DEFAULT_PORT);
         assert_eq!(c.timeout, Duration::from_secs(300));
         assert_eq!(c.transport, TransportKind::Auto);
+        assert_eq!(c.nsocks, 1);
         assert_eq!(
             (
                 c.local_rank,
@@ -1474,6 +1507,30 @@ mod tests {
             ),
             (None, None, None, None, None)
         );
+    }
+
+    #[test]
+    fn nsocks_var() {
+        let base = [("HCOMM_RANK", "0"), ("HCOMM_WORLD_SIZE", "1")];
+        let with = |v: &'static str| {
+            let mut vars = base.to_vec();
+            vars.push(("HCOMM_NSOCKS", v));
+            from(&vars)
+        };
+        assert_eq!(with("4").unwrap().nsocks, 4);
+        assert_eq!(with(" 16 ").unwrap().nsocks, 16);
+        assert_eq!(with("1").unwrap().nsocks, 1);
+        for bad in ["0", "17", "1000"] {
+            let e = with(bad).unwrap_err().to_string();
+            assert_contains(&e, &["HCOMM_NSOCKS", &format!("'{bad}'"), "1 to 16"]);
+        }
+        for bad in ["four", "-1", "+2", "2.0"] {
+            let e = with(bad).unwrap_err().to_string();
+            assert_contains(
+                &e,
+                &[&format!("HCOMM_NSOCKS={bad}"), "not a non-negative integer"],
+            );
+        }
     }
 
     #[test]
@@ -1627,6 +1684,7 @@ mod tests {
                 token_file: Some(PathBuf::from("token")),
                 job_token: None,
                 source: LaunchSource::RankTable,
+                nsocks: 1,
             }
         );
         let c = t.bootstrap_for(0).unwrap();
@@ -1927,6 +1985,7 @@ mod tests {
             ("HCOMM_SOCKET_IFNAME", "ib0"),
             ("HCOMM_TOKEN_FILE", "/env/token"),
             ("HCOMM_MASTER_ADDR", "10.9.9.9"),
+            ("HCOMM_NSOCKS", "3"),
         ]
         .into_iter()
         .collect();
@@ -1940,6 +1999,8 @@ mod tests {
         assert_eq!(c.socket_ifname.as_deref(), Some("eth0"));
         assert_eq!(c.token_file, Some(dir.path().join("token")));
         assert_eq!(c.master_addr, "10.0.0.1");
+        // The table has no nsocks field: the environment's applies.
+        assert_eq!(c.nsocks, 3);
         // Rank 2 has no ifname: the environment fills it in.
         let c = BootstrapConfig::from_rank_table_with(&path, 2, get).unwrap();
         assert_eq!(c.socket_ifname.as_deref(), Some("ib0"));

@@ -31,6 +31,7 @@ pub fn local_config(rank: usize, size: usize, port: u16, timeout: Duration) -> B
         token_file: None,
         job_token: None,
         source: LaunchSource::Hcomm,
+        nsocks: 1,
     }
 }
 
@@ -63,16 +64,29 @@ where
     R: Send,
     F: Fn(Communicator) -> Result<R> + Sync,
 {
+    run_threads_configured(n, timeout, |cfg| BootstrapConfig { transport, ..cfg }, f)
+}
+
+/// [`run_threads`] with each rank's configuration passed through `configure` first (to set
+/// the transport, the sockets per peer (`nsocks`), ...).
+pub fn run_threads_configured<R, C, F>(
+    n: usize,
+    timeout: Duration,
+    configure: C,
+    f: F,
+) -> Vec<Result<R>>
+where
+    R: Send,
+    C: Fn(BootstrapConfig) -> BootstrapConfig + Sync,
+    F: Fn(Communicator) -> Result<R> + Sync,
+{
     let port = free_port();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
-                let f = &f;
+                let (f, configure) = (&f, &configure);
                 s.spawn(move || {
-                    let cfg = BootstrapConfig {
-                        transport,
-                        ..local_config(r, n, port, timeout)
-                    };
+                    let cfg = configure(local_config(r, n, port, timeout));
                     Communicator::from_config(&cfg).and_then(f)
                 })
             })

@@ -16,6 +16,13 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
     /// Host identity (ranks with equal ids share a host).
     pub host_id: String,
+    /// Data sockets per pair of ranks (`HCOMM_NSOCKS`); must be the same on every rank.
+    #[serde(default = "one")]
+    pub nsocks: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// This machine's identity: `HCOMM_HOST_ID`, else hostname + boot id.

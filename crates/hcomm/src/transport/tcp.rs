@@ -15,6 +15,14 @@
 //!   [`PRE_AUTH_DEADLINE`](crate::auth::PRE_AUTH_DEADLINE)), so strangers, garbage and silent
 //!   connections are dropped without ever reaching, or stalling, the progress loop; only
 //!   authenticated sockets are handed to it.
+//! * With `nsocks` > 1 (`HCOMM_NSOCKS`) a link is that many sockets: whoever opened socket 0
+//!   opens the others, and each dialer names its socket (and `nsocks`) in two bytes after the
+//!   handshake. Payloads of `2 ×` [`STRIPE_MIN`] bytes or more whose size both sides know
+//!   (collective frames, rendezvous data) are cut into [`stripes`] contiguous slices
+//!   ([`stripe_bounds`]), each a frame of its own on its socket, read straight into its part
+//!   of the destination. Control frames and eager messages use socket 0. Each socket keeps
+//!   frame order; a receive (a [`RecvOp`] of several parts) completes with its last slice. The
+//!   same loop drives every socket: no threads (see `docs/design.md`).
 //! * Every frame starts with a [`Header`]; collectives carry their fingerprint in it.
 //! * Point-to-point: messages up to [`EAGER_MAX`] bytes are sent at once and stashed by the
 //!   receiver until its receive is posted; larger ones send an RTS, wait for the receiver's
@@ -23,8 +31,9 @@
 //!   from links it is not reading for the current operation (so two ranks that both send
 //!   first never deadlock on full socket buffers); a link whose next frame belongs to a later
 //!   operation is parked until that operation reads it.
-//! * Memory per link: a 64 KiB input buffer, stashed eager messages up to
-//!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer.
+//! * Memory per link: a 64 KiB input buffer per socket, stashed eager messages up to
+//!   [`MAX_UNEXPECTED_BYTES`]; reducing receives use a [`STAGING`]-byte staging buffer per
+//!   slice.
 
 use crate::auth::{
     self, ConnectionStats, Counters, HandshakeError, JobToken, Local, PendingSlot, Role,
@@ -64,6 +73,33 @@ pub const MAX_UNEXPECTED_BYTES: usize = 64 << 20;
 /// Accounting cost of one stashed frame besides its payload.
 pub const STASH_ENTRY_COST: usize = 64;
 
+/// Smallest stripe: a payload of `len` bytes travels over `min(nsocks, len / STRIPE_MIN)`
+/// sockets (at least one), so only payloads of `2 × STRIPE_MIN` = 256 KiB or more are ever
+/// striped, and every stripe carries at least ~68 KiB (see [`stripe_bounds`]).
+pub const STRIPE_MIN: usize = 128 << 10;
+/// Stripe boundaries fall on multiples of this (a multiple of every element size, so each
+/// stripe of a reduction holds whole elements).
+const STRIPE_ALIGN: usize = 4096;
+
+/// How many sockets a payload of `len` bytes is striped across with `nsocks` sockets per peer.
+pub fn stripes(len: usize, nsocks: usize) -> usize {
+    (len / STRIPE_MIN).clamp(1, nsocks.max(1))
+}
+
+/// Byte range `[lo, hi)` of stripe `i` of `n` of a `len`-byte payload: contiguous slices of
+/// `⌈len / n⌉` rounded up to [`STRIPE_ALIGN`], the last one taking the rest. Both ends of a
+/// link compute the same cut from the length alone.
+pub fn stripe_bounds(len: usize, n: usize, i: usize) -> (usize, usize) {
+    if n <= 1 {
+        return (0, len);
+    }
+    let chunk = len.div_ceil(n).next_multiple_of(STRIPE_ALIGN);
+    (
+        i.saturating_mul(chunk).min(len),
+        (i + 1).saturating_mul(chunk).min(len),
+    )
+}
+
 /// Where received payload goes.
 pub enum Sink<'a> {
     /// Copy into this buffer.
@@ -95,9 +131,29 @@ pub struct SendOp<'a> {
     peer: usize,
     /// The link it goes on (see [`TcpLinks::route`]); set when an exchange starts.
     link: usize,
-    hdr: [u8; HEADER_LEN],
+    hdr: Header,
     data: &'a [u8],
+    /// One frame per stripe (cut by the links when the send starts).
+    parts: Vec<SendPart>,
+}
+
+/// The part of a send that travels on one of the peer's sockets: a frame of its own.
+struct SendPart {
+    stripe: usize,
+    hdr: [u8; HEADER_LEN],
+    lo: usize,
+    hi: usize,
     written: usize,
+}
+
+impl SendPart {
+    fn total(&self) -> usize {
+        HEADER_LEN + self.hi - self.lo
+    }
+
+    fn is_done(&self) -> bool {
+        self.written == self.total()
+    }
 }
 
 impl<'a> SendOp<'a> {
@@ -107,19 +163,52 @@ impl<'a> SendOp<'a> {
         SendOp {
             peer,
             link: peer,
-            hdr: hdr.encode(),
+            hdr,
             data,
-            written: 0,
+            parts: Vec::new(),
         }
     }
 
+    /// Cut into one frame per stripe (payloads of [`STRIPE_MIN`] × 2 bytes or more with several
+    /// sockets per peer; everything else is one frame on socket 0).
+    fn split(&mut self, nsocks: usize) {
+        if !self.parts.is_empty() {
+            return;
+        }
+        let n = if self.hdr.kind.has_payload() {
+            stripes(self.data.len(), nsocks)
+        } else {
+            1
+        };
+        self.parts = (0..n)
+            .map(|i| {
+                let (lo, hi) = stripe_bounds(self.data.len(), n, i);
+                SendPart {
+                    stripe: i,
+                    hdr: Header {
+                        len: (hi - lo) as u64,
+                        ..self.hdr
+                    }
+                    .encode(),
+                    lo,
+                    hi,
+                    written: 0,
+                }
+            })
+            .collect();
+    }
+
     fn total(&self) -> usize {
-        HEADER_LEN + self.data.len()
+        HEADER_LEN * self.parts.len().max(1) + self.data.len()
+    }
+
+    fn written(&self) -> usize {
+        self.parts.iter().map(|p| p.written).sum()
     }
 
     /// True once every byte is handed to the kernel.
     pub fn is_done(&self) -> bool {
-        self.written == self.total()
+        !self.parts.is_empty() && self.parts.iter().all(SendPart::is_done)
     }
 }
 
@@ -177,6 +266,12 @@ impl Expect {
             Expect::Coll(_) | Expect::P2pData(_) => false,
         }
     }
+
+    /// Can the frame this waits for be striped? (Only data whose size both sides know:
+    /// collective frames and agreed point-to-point data.)
+    fn striped(&self) -> bool {
+        matches!(self, Expect::Coll(_) | Expect::P2pData(_))
+    }
 }
 
 /// A frame to receive.
@@ -186,16 +281,103 @@ pub struct RecvOp<'a> {
     link: usize,
     expect: Expect,
     sink: Sink<'a>,
-    /// Set when the frame is complete; for control frames, the received header.
+    /// Set when every part is complete; for control frames, the received header.
     got: Option<Header>,
-    /// Header of the data frame being received into this op.
+    /// One part per stripe (cut by the links when the receive starts).
+    parts: Vec<RecvPart>,
+}
+
+/// The part of a receive that arrives on one of the peer's sockets: `sink[lo..hi]`.
+struct RecvPart {
+    stripe: usize,
+    lo: usize,
+    hi: usize,
+    /// Header of the data frame being received into this part.
     pending: Option<Header>,
-    /// Identity while a frame is read into it across calls (0 = not assigned yet).
+    /// Identity while a frame is read into it across calls.
     id: u64,
-    /// Payload bytes delivered so far.
+    /// Payload bytes delivered so far (from `lo`).
     delivered: usize,
     staging: Vec<u64>,
     staged: usize,
+    done: bool,
+}
+
+impl RecvPart {
+    fn len(&self) -> usize {
+        self.hi - self.lo
+    }
+
+    /// Deliver payload bytes (never more than the frame holds).
+    fn deliver(&mut self, sink: &mut Sink, bytes: &[u8]) {
+        match sink {
+            Sink::Buf(b) => {
+                let at = self.lo + self.delivered;
+                b[at..at + bytes.len()].copy_from_slice(bytes);
+                self.delivered += bytes.len();
+            }
+            Sink::Reduce { .. } => {
+                let mut rest = bytes;
+                while !rest.is_empty() {
+                    let stg = bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging);
+                    let n = rest.len().min(stg.len() - self.staged);
+                    stg[self.staged..self.staged + n].copy_from_slice(&rest[..n]);
+                    self.staged += n;
+                    rest = &rest[n..];
+                    self.flush_staging_if_full(sink);
+                }
+            }
+        }
+    }
+
+    fn flush_staging_if_full(&mut self, sink: &mut Sink) {
+        let cap = self.staging.len() * 8;
+        if self.staged == cap || self.delivered + self.staged == self.len() {
+            self.flush_staging(sink);
+        }
+    }
+
+    fn flush_staging(&mut self, sink: &mut Sink) {
+        if let Sink::Reduce {
+            dst,
+            dtype,
+            op,
+            order,
+        } = sink
+        {
+            let stg = bytemuck::cast_slice::<u64, u8>(&self.staging);
+            let n = self.staged;
+            let at = self.lo + self.delivered;
+            reduce_into(*dtype, *op, &mut dst[at..at + n], &stg[..n], *order);
+            self.delivered += n;
+            self.staged = 0;
+        }
+    }
+
+    /// A buffer to read payload into directly (no copy through the link's input buffer).
+    fn direct_target<'s>(&'s mut self, sink: &'s mut Sink, frame_left: usize) -> &'s mut [u8] {
+        match sink {
+            Sink::Buf(b) => {
+                let at = self.lo + self.delivered;
+                &mut b[at..at + frame_left]
+            }
+            Sink::Reduce { .. } => {
+                let stg = bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging);
+                let end = stg.len().min(self.staged + frame_left);
+                &mut stg[self.staged..end]
+            }
+        }
+    }
+
+    fn direct_done(&mut self, sink: &mut Sink, n: usize) {
+        match sink {
+            Sink::Buf(_) => self.delivered += n,
+            Sink::Reduce { .. } => {
+                self.staged += n;
+                self.flush_staging_if_full(sink);
+            }
+        }
+    }
 }
 
 impl<'a> RecvOp<'a> {
@@ -237,12 +419,39 @@ impl<'a> RecvOp<'a> {
             expect,
             sink,
             got: None,
-            pending: None,
-            id: 0,
-            delivered: 0,
-            staging: Vec::new(),
-            staged: 0,
+            parts: Vec::new(),
         }
+    }
+
+    /// Cut into one part per stripe (the same cut as the sender's, from the size alone), each
+    /// with a fresh id from `next_id`.
+    fn split(&mut self, nsocks: usize, next_id: &mut u64) {
+        if !self.parts.is_empty() {
+            return;
+        }
+        let len = self.sink.len();
+        let n = if self.expect.striped() {
+            stripes(len, nsocks)
+        } else {
+            1
+        };
+        self.parts = (0..n)
+            .map(|i| {
+                let (lo, hi) = stripe_bounds(len, n, i);
+                *next_id += 1;
+                RecvPart {
+                    stripe: i,
+                    lo,
+                    hi,
+                    pending: None,
+                    id: *next_id,
+                    delivered: 0,
+                    staging: Vec::new(),
+                    staged: 0,
+                    done: false,
+                }
+            })
+            .collect();
     }
 
     /// The header received (once complete).
@@ -264,83 +473,43 @@ impl<'a> RecvOp<'a> {
         self.got.is_some()
     }
 
+    /// Does this receive still wait for a frame on socket `stripe`?
+    fn waits_on(&self, stripe: usize) -> bool {
+        !self.done() && self.parts.iter().any(|p| p.stripe == stripe && !p.done)
+    }
+
+    /// Part `j` and the sink (borrowed together).
+    fn part_mut(&mut self, j: usize) -> (&mut RecvPart, &mut Sink<'a>) {
+        (&mut self.parts[j], &mut self.sink)
+    }
+
+    /// Part `j` received `hdr` completely; the receive is complete with its last part (its
+    /// header then says the total payload length).
+    fn finish_part(&mut self, j: usize, hdr: Header) {
+        let p = &mut self.parts[j];
+        p.pending = Some(hdr);
+        p.done = true;
+        if self.parts.iter().all(|p| p.done) {
+            let len = self
+                .parts
+                .iter()
+                .filter_map(|p| p.pending)
+                .map(|h| h.len)
+                .sum();
+            self.got = Some(Header { len, ..hdr });
+        }
+    }
+
+    /// Payload bytes received so far (for timeout reports).
+    fn received(&self) -> usize {
+        self.parts.iter().map(|p| p.delivered + p.staged).sum()
+    }
+
     /// Give back the receive buffer (for a follow-up receive into the same memory).
     pub fn into_buf(self) -> &'a mut [u8] {
         match self.sink {
             Sink::Buf(b) => b,
             Sink::Reduce { dst, .. } => dst,
-        }
-    }
-
-    /// Deliver payload bytes (never more than the frame holds).
-    fn deliver(&mut self, bytes: &[u8]) {
-        match &mut self.sink {
-            Sink::Buf(b) => {
-                b[self.delivered..self.delivered + bytes.len()].copy_from_slice(bytes);
-                self.delivered += bytes.len();
-            }
-            Sink::Reduce { .. } => {
-                let mut rest = bytes;
-                while !rest.is_empty() {
-                    let stg = bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging);
-                    let n = rest.len().min(stg.len() - self.staged);
-                    stg[self.staged..self.staged + n].copy_from_slice(&rest[..n]);
-                    self.staged += n;
-                    rest = &rest[n..];
-                    self.flush_staging_if_full();
-                }
-            }
-        }
-    }
-
-    fn flush_staging_if_full(&mut self) {
-        let cap = self.staging.len() * 8;
-        if self.staged == cap || self.delivered + self.staged == self.sink.len() {
-            self.flush_staging();
-        }
-    }
-
-    fn flush_staging(&mut self) {
-        if let Sink::Reduce {
-            dst,
-            dtype,
-            op,
-            order,
-        } = &mut self.sink
-        {
-            let stg = bytemuck::cast_slice::<u64, u8>(&self.staging);
-            let n = self.staged;
-            reduce_into(
-                *dtype,
-                *op,
-                &mut dst[self.delivered..self.delivered + n],
-                &stg[..n],
-                *order,
-            );
-            self.delivered += n;
-            self.staged = 0;
-        }
-    }
-
-    /// A buffer to read payload into directly (no copy through the link's input buffer).
-    fn direct_target(&mut self, frame_left: usize) -> &mut [u8] {
-        match &mut self.sink {
-            Sink::Buf(b) => &mut b[self.delivered..self.delivered + frame_left],
-            Sink::Reduce { .. } => {
-                let stg = bytemuck::cast_slice_mut::<u64, u8>(&mut self.staging);
-                let end = stg.len().min(self.staged + frame_left);
-                &mut stg[self.staged..end]
-            }
-        }
-    }
-
-    fn direct_done(&mut self, n: usize) {
-        match &mut self.sink {
-            Sink::Buf(_) => self.delivered += n,
-            Sink::Reduce { .. } => {
-                self.staged += n;
-                self.flush_staging_if_full();
-            }
         }
     }
 }
@@ -477,9 +646,11 @@ impl Inbound {
         self.stash.push_back(s);
     }
 
-    /// Complete `r` from the stash if a matching frame is there (first in arrival order).
+    /// Complete `r` from the stash if a matching frame is there (first in arrival order). Only
+    /// unstriped receives (control frames, the first frame of a point-to-point message) can be
+    /// satisfied from the stash.
     fn take_stashed(&mut self, r: &mut RecvOp) {
-        if r.done() {
+        if r.done() || r.parts.len() != 1 || r.parts[0].pending.is_some() {
             return;
         }
         let pos = self.stash.iter().position(|s| match s {
@@ -490,14 +661,15 @@ impl Inbound {
         match self.stash.remove(pos).expect("present") {
             Stashed::Control(h) => {
                 self.stash_bytes -= STASH_ENTRY_COST;
-                r.got = Some(h);
+                r.finish_part(0, h);
             }
             Stashed::Eager(h, data) => {
                 self.stash_bytes -= STASH_ENTRY_COST + data.len();
                 if data.len() == r.sink.len() {
-                    r.deliver(&data);
+                    let (p, sink) = r.part_mut(0);
+                    p.deliver(sink, &data);
                 }
-                r.got = Some(h);
+                r.finish_part(0, h);
             }
         }
     }
@@ -523,6 +695,8 @@ struct Identity {
     size: usize,
     comm_hash: u64,
     token: Option<JobToken>,
+    /// Sockets per peer (`HCOMM_NSOCKS`).
+    nsocks: usize,
 }
 
 impl Identity {
@@ -540,7 +714,8 @@ impl Identity {
 /// to be) to the progress loop through a channel, and waking it through a socket pair.
 struct Acceptor {
     addr: SocketAddr,
-    accepted: mpsc::Receiver<(usize, Socket)>,
+    /// Authenticated connections: (peer rank, stripe, socket).
+    accepted: mpsc::Receiver<(usize, usize, Socket)>,
     /// Readable when `accepted` has something.
     wake: UnixStream,
     stop: Arc<AtomicBool>,
@@ -589,7 +764,7 @@ impl Drop for Acceptor {
 fn accept_loop(
     listener: Socket,
     me: Identity,
-    tx: mpsc::Sender<(usize, Socket)>,
+    tx: mpsc::Sender<(usize, usize, Socket)>,
     waker: Arc<UnixStream>,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
@@ -633,8 +808,8 @@ fn accept_loop(
                     let r = authenticate(sock, &me, &counters);
                     drop(slot);
                     match r {
-                        Ok((peer, sock)) => {
-                            if tx.send((peer, sock)).is_ok() {
+                        Ok((peer, stripe, sock)) => {
+                            if tx.send((peer, stripe, sock)).is_ok() {
                                 let _ = (&*waker).write(&[1]);
                             }
                         }
@@ -649,15 +824,15 @@ fn accept_loop(
 }
 
 /// The accepting side's handshake on a new connection: the peer must be another rank of this
-/// communicator (and prove the token, if there is one). Returns its rank and the socket, ready
-/// for the progress loop.
-/// Authenticate an accepted connection; the outcome is counted before the socket can close,
-/// so a rejected peer sees the close only after it was counted.
+/// communicator (and prove the token, if there is one), then say which of the link's sockets
+/// this is ([`announce`]). Returns its rank, the stripe and the socket, ready for the progress
+/// loop. The outcome is counted before the socket can close, so a rejected peer sees the
+/// close only after it was counted.
 fn authenticate(
     sock: Socket,
     me: &Identity,
     counters: &Counters,
-) -> Result<(usize, Socket), HandshakeError> {
+) -> Result<(usize, usize, Socket), HandshakeError> {
     let io = |e: io::Error| HandshakeError::Io(e.to_string());
     let _ = sock.set_nodelay(true);
     let mut stream = TcpStream::from(sock);
@@ -686,13 +861,44 @@ fn authenticate(
             check,
             deadline,
         )?;
+        // Authenticated: which socket of the link is this?
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(HandshakeError::TimedOut(PRE_AUTH_DEADLINE));
+        }
+        stream.set_read_timeout(Some(left)).map_err(io)?;
+        let mut a = [0u8; 2];
+        stream.read_exact(&mut a).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                HandshakeError::TimedOut(PRE_AUTH_DEADLINE)
+            }
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted => HandshakeError::Closed,
+            _ => io(e),
+        })?;
+        let (stripe, nsocks) = (a[0] as usize, a[1] as usize);
+        if nsocks != me.nsocks || stripe >= nsocks {
+            return Err(HandshakeError::Malformed(format!(
+                "rank {} opens socket {stripe} of {nsocks} per peer; this rank uses HCOMM_NSOCKS={} \
+                 (every rank must use the same)",
+                hello.rank, me.nsocks
+            )));
+        }
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
         stream.set_nonblocking(true).map_err(io)?;
-        Ok(hello.rank as usize)
+        Ok((hello.rank as usize, stripe))
     })();
     counters.record(&r);
-    Ok((r?, Socket::from(stream)))
+    let (peer, stripe) = r?;
+    Ok((peer, stripe, Socket::from(stream)))
+}
+
+/// The two bytes a dialer sends right after the handshake: which socket of the link this is
+/// (`stripe`), and how many the dialer uses per peer.
+fn announce(stripe: usize, nsocks: usize) -> [u8; 2] {
+    [stripe as u8, nsocks as u8]
 }
 
 /// The TCP links of one communicator.
@@ -703,14 +909,18 @@ pub struct TcpLinks {
     acceptor: Acceptor,
     /// Number of ranks.
     n: usize,
-    /// The links: index `p` is the socket with peer `p` (both directions, everything);
-    /// index `n + p` the shared-memory pipe with `p` when `p` shares this host (point-to-point
-    /// frames only, see [`route`](Self::route)).
-    inb: Vec<Option<Inbound>>,
+    /// The links. Index `p`: the link with peer `p`, `nsocks` sockets (index = stripe), each
+    /// used in both directions; socket 0 carries every unstriped frame. Index `n + p`: the
+    /// shared-memory pipe with `p` (one "stripe") when `p` shares this host, for
+    /// point-to-point frames only (see [`route`](Self::route)).
+    inb: Vec<Option<Vec<Inbound>>>,
     /// The point-to-point segment of this host, when the pipes exist.
     shm: Option<Arc<P2pShm>>,
     /// When the shared-memory peers' processes were last checked for life.
     shm_checked: Instant,
+    /// Sockets of links still being put together (they arrive one by one through the
+    /// acceptor): one slot per stripe.
+    forming: Vec<Vec<Option<Socket>>>,
     /// Sockets this (higher) rank opened to a lower rank, waiting for its adoption ack.
     asking: Vec<Option<Socket>>,
     /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
@@ -745,6 +955,14 @@ enum Mode {
     Opportunistic,
 }
 
+/// The receive part a frame is read into: (receive index, part index).
+fn find_part(recvs: &[RecvOp], id: u64) -> Option<(usize, usize)> {
+    recvs
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| r.parts.iter().position(|p| p.id == id).map(|j| (i, j)))
+}
+
 impl TcpLinks {
     /// Create the listening socket on `ip` (port chosen by the kernel).
     pub fn listen(ip: std::net::IpAddr) -> io::Result<Socket> {
@@ -759,7 +977,8 @@ impl TcpLinks {
 
     /// Links for `rank` given every rank's listening address (index = rank), accepting
     /// connections on `listener` from this communicator's ranks only (named by `comm_hash`)
-    /// and, with a `token`, only from those who prove they know it.
+    /// and, with a `token`, only from those who prove they know it. Each link has `nsocks`
+    /// sockets (1 to 255; every rank must use the same number).
     pub fn new(
         rank: usize,
         listener: Socket,
@@ -767,13 +986,21 @@ impl TcpLinks {
         comm_hash: u64,
         token: Option<JobToken>,
         policy: WaitPolicy,
+        nsocks: usize,
     ) -> io::Result<TcpLinks> {
+        if !(1..=255).contains(&nsocks) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{nsocks} sockets per peer (1 to 255)"),
+            ));
+        }
         let n = peers.len();
         let me = Identity {
             rank,
             size: n,
             comm_hash,
             token,
+            nsocks,
         };
         Ok(TcpLinks {
             rank,
@@ -784,12 +1011,15 @@ impl TcpLinks {
             inb: (0..2 * n).map(|_| None).collect(),
             shm: None,
             shm_checked: Instant::now(),
+            forming: (0..n)
+                .map(|_| (0..nsocks).map(|_| None).collect())
+                .collect(),
             asking: (0..n).map(|_| None).collect(),
             asked_at: vec![None; n],
             policy,
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
-            next_id: 1,
+            next_id: 0,
             op_timeout: Duration::ZERO,
             listener_ready: false,
             sent: [0; 2],
@@ -797,12 +1027,18 @@ impl TcpLinks {
         })
     }
 
+    /// Sockets per peer.
+    pub fn nsocks(&self) -> usize {
+        self.me.nsocks
+    }
+
     /// Bytes written to and read from the links' sockets since they were made:
-    /// `(sent, received)`. Every frame counts, header included: sent bytes when `send(2)`
-    /// takes them, received bytes when the frame's header and payload are taken from the
-    /// socket or from the link's read-ahead buffer (so bytes read ahead during one operation
-    /// count for the operation whose frame they belong to). The connection handshakes (a
-    /// 16-byte greeting and a 1-byte adoption answer per link, once) do not count.
+    /// `(sent, received)`. Every frame counts, header included (a striped payload is one frame
+    /// per socket it uses): sent bytes when `send(2)` takes them, received bytes when the
+    /// frame's header and payload are taken from the socket or from the link's read-ahead
+    /// buffer (so bytes read ahead during one operation count for the operation whose frame
+    /// they belong to). The connection handshakes (a greeting, two bytes naming the socket
+    /// and a 1-byte adoption answer per link, once) do not count.
     pub fn bytes_moved(&self) -> (u64, u64) {
         (self.sent[0], self.received[0])
     }
@@ -818,7 +1054,7 @@ impl TcpLinks {
     pub fn attach_shm(&mut self, shm: Arc<P2pShm>, peers: &[usize]) {
         for (i, &p) in peers.iter().enumerate() {
             if p != self.rank {
-                self.inb[self.n + p] = Some(Inbound::with_pipe(Pipe::Shm(shm.pipe(i))));
+                self.inb[self.n + p] = Some(vec![Inbound::with_pipe(Pipe::Shm(shm.pipe(i)))]);
             }
         }
         self.shm = Some(shm);
@@ -831,7 +1067,7 @@ impl TcpLinks {
 
     /// The link a frame to or from `peer` goes on: point-to-point frames (data, handshakes,
     /// signals) over the shared-memory pipe when there is one, everything else (collectives)
-    /// over the socket.
+    /// over the socket(s).
     fn route(&self, peer: usize, p2p: bool) -> usize {
         if p2p && self.p2p_over_shm(peer) {
             self.n + peer
@@ -843,6 +1079,15 @@ impl TcpLinks {
     /// 0 for a socket, 1 for a shared-memory pipe (index into the byte counters).
     fn kind_of(&self, link: usize) -> usize {
         usize::from(link >= self.n)
+    }
+
+    /// Stripes of a link: `nsocks` for sockets, one for a shared-memory pipe.
+    fn stripes_of(&self, link: usize) -> usize {
+        if link >= self.n {
+            1
+        } else {
+            self.me.nsocks
+        }
     }
 
     /// True if this rank has any link (socket or pipe) a peer could hear a notice on.
@@ -880,12 +1125,17 @@ impl TcpLinks {
         self.acceptor.counters.clone()
     }
 
-    /// The number of sockets currently open (both directions), for memory/fd accounting.
+    /// The number of data sockets currently open (both directions; `nsocks` per linked peer),
+    /// for memory/fd accounting.
     pub fn open_links(&self) -> usize {
-        self.inb[..self.n].iter().filter(|s| s.is_some()).count()
+        self.inb[..self.n].iter().flatten().map(Vec::len).sum()
     }
 
     /// Make sure a link with `peer` exists or is on its way. Returns whether it exists now.
+    ///
+    /// The lower rank opens every socket of the link. A higher rank that needs the link first
+    /// opens socket 0 and asks; once the lower rank adopts it, the higher rank opens the
+    /// others (whoever opened socket 0 opens the rest).
     fn ensure_link(&mut self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<bool> {
         if self.inb[peer].is_some() {
             return Ok(true);
@@ -900,25 +1150,42 @@ impl TcpLinks {
             if self.inb[peer].is_some() {
                 return Ok(true);
             }
+            if self.forming[peer].iter().any(Option::is_some) {
+                // The lower rank's sockets are arriving.
+                return Ok(false);
+            }
             let recently = self.asked_at[peer].is_some_and(|t| t.elapsed() < ASK_AGAIN);
             if self.asking[peer].is_none() && !recently {
-                let s = self.dial(ctx, peer, deadline)?;
+                let s = self.dial(ctx, peer, 0, deadline)?;
                 self.asking[peer] = Some(s);
                 self.asked_at[peer] = Some(Instant::now());
             }
             return Ok(false);
         }
-        let s = self.dial(ctx, peer, deadline)?;
-        self.inb[peer] = Some(Inbound::new(s));
+        if self.forming[peer].iter().any(Option::is_some) {
+            // We adopted the higher rank's ask: it is opening the other sockets.
+            return Ok(false);
+        }
+        let socks = (0..self.me.nsocks)
+            .map(|stripe| self.dial(ctx, peer, stripe, deadline).map(Inbound::new))
+            .collect::<Result<Vec<_>>>()?;
+        self.inb[peer] = Some(socks);
         Ok(true)
     }
 
-    /// Connect to `peer`'s listener and run the handshake (retried while the connection is
-    /// merely lost, as when the peer's listener is overloaded, until `deadline`).
-    fn dial(&self, ctx: &OpContext, peer: usize, deadline: Instant) -> Result<Socket> {
+    /// Connect to `peer`'s listener, run the handshake and announce socket `stripe` (retried
+    /// while the connection is merely lost, as when the peer's listener is overloaded, until
+    /// `deadline`).
+    fn dial(
+        &self,
+        ctx: &OpContext,
+        peer: usize,
+        stripe: usize,
+        deadline: Instant,
+    ) -> Result<Socket> {
         let mut backoff = Duration::from_millis(5);
         loop {
-            match self.dial_once(ctx, peer, deadline) {
+            match self.dial_once(ctx, peer, stripe, deadline) {
                 Err(DialError::Handshake(e)) if e.is_transient() && Instant::now() < deadline => {
                     tracing::debug!(peer, "handshake failed ({e}); trying again");
                     std::thread::sleep(
@@ -951,6 +1218,7 @@ impl TcpLinks {
         &self,
         ctx: &OpContext,
         peer: usize,
+        stripe: usize,
         deadline: Instant,
     ) -> std::result::Result<Socket, DialError> {
         let addr = self.peers[peer];
@@ -987,6 +1255,11 @@ impl TcpLinks {
             hs_deadline,
         )
         .map_err(DialError::Handshake)?;
+        // Two bytes into an empty socket buffer; a peer that dropped us shows up as a lost
+        // connection (retried) here or at the first read.
+        stream
+            .write_all(&announce(stripe, self.me.nsocks))
+            .map_err(|e| DialError::Handshake(HandshakeError::Io(e.to_string())))?;
         let setup = |stream: &TcpStream| -> io::Result<()> {
             stream.set_read_timeout(None)?;
             stream.set_write_timeout(None)?;
@@ -996,8 +1269,9 @@ impl TcpLinks {
         Ok(Socket::from(stream))
     }
 
-    /// Higher rank: read the lower ranks' answers to our asks.
-    fn pump_asking(&mut self) -> bool {
+    /// Higher rank: read the lower ranks' answers to our asks. An adopted ask becomes socket 0
+    /// of the link; this rank then opens the others.
+    fn pump_asking(&mut self, ctx: &OpContext, deadline: Instant) -> Result<bool> {
         let mut progress = false;
         for peer in 0..self.asking.len() {
             let Some(sock) = &self.asking[peer] else {
@@ -1008,7 +1282,11 @@ impl TcpLinks {
                 Ok(1) if b[0] == ADOPT_ACK => {
                     let s = self.asking[peer].take().expect("asking");
                     if self.inb[peer].is_none() {
-                        self.inb[peer] = Some(Inbound::new(s));
+                        let mut socks = vec![Inbound::new(s)];
+                        for stripe in 1..self.me.nsocks {
+                            socks.push(Inbound::new(self.dial(ctx, peer, stripe, deadline)?));
+                        }
+                        self.inb[peer] = Some(socks);
                     }
                     progress = true;
                 }
@@ -1020,30 +1298,45 @@ impl TcpLinks {
                 }
             }
         }
-        progress
+        Ok(progress)
     }
 
-    /// Take the connections the acceptor has authenticated: a lower rank's is our link with
-    /// it; a higher rank's is an ask, adopted (with an ack byte) unless we have a link already.
+    /// Take the connections the acceptor has authenticated: a lower rank's are the sockets of
+    /// our link with it; a higher rank's socket 0 is an ask, adopted (with an ack byte) unless
+    /// we have a link already, and its other sockets complete an adopted link.
     fn accept_pending(&mut self) -> bool {
         self.acceptor.drain_wake();
         let mut progress = false;
-        while let Ok((peer, sock)) = self.acceptor.accepted.try_recv() {
+        while let Ok((peer, stripe, sock)) = self.acceptor.accepted.try_recv() {
             progress = true;
-            if peer < self.rank {
-                // The lower rank connected: this is our link; any ask of ours is moot.
-                self.asking[peer] = None;
-                if self.inb[peer].is_none() {
-                    self.inb[peer] = Some(Inbound::new(sock));
-                }
-            } else if self.inb[peer].is_none() {
-                // A higher rank asks: adopt its socket.
-                let mut w = &sock;
-                if w.write_all(&[ADOPT_ACK]).is_ok() {
-                    self.inb[peer] = Some(Inbound::new(sock));
-                }
+            if self.inb[peer].is_some() {
+                // We already connected to that higher rank: dropping this ask tells it so.
+                continue;
             }
-            // Else we already connected to that higher rank: dropping this socket tells it so.
+            let forming = &mut self.forming[peer];
+            if peer < self.rank {
+                // The lower rank connected: these are our link's sockets; any ask is moot.
+                self.asking[peer] = None;
+                if forming[stripe].is_none() {
+                    forming[stripe] = Some(sock);
+                }
+            } else if stripe == 0 {
+                // A higher rank asks: adopt its socket (unless an ask was adopted already).
+                let mut w = &sock;
+                if forming[0].is_none() && w.write_all(&[ADOPT_ACK]).is_ok() {
+                    forming[0] = Some(sock);
+                }
+            } else if forming[0].is_some() && forming[stripe].is_none() {
+                // The other sockets of an adopted ask.
+                forming[stripe] = Some(sock);
+            }
+            if forming.iter().all(Option::is_some) {
+                let socks = forming
+                    .iter_mut()
+                    .map(|s| Inbound::new(s.take().expect("all present")))
+                    .collect();
+                self.inb[peer] = Some(socks);
+            }
         }
         progress
     }
@@ -1057,14 +1350,15 @@ impl TcpLinks {
     /// Take a `Nack` that `peer` sent about an earlier eager message, if any.
     pub fn take_nack(&mut self, peer: usize) -> Option<Header> {
         let link = self.route(peer, true);
-        self.inb.get_mut(link)?.as_mut()?.take_nack()
+        self.inb.get_mut(link)?.as_mut()?.first_mut()?.take_nack()
     }
 
     /// Drive all `sends` and `recvs` to completion, concurrently, before `deadline`.
     ///
     /// Sends to one peer go out in the order given; receives from one peer are matched in the
-    /// order given. On error the links are in an undefined state and the communicator must be
-    /// poisoned by the caller.
+    /// order given (both per socket, when large payloads are striped across several). On
+    /// error the links are in an undefined state and the communicator must be poisoned by
+    /// the caller.
     pub fn exchange(
         &mut self,
         ctx: &OpContext,
@@ -1086,30 +1380,38 @@ impl TcpLinks {
         any: bool,
     ) -> Result<()> {
         for s in sends.iter_mut() {
-            s.link = self.route(s.peer, s.hdr[2] != Kind::Collective as u8);
+            if s.parts.is_empty() {
+                s.link = self.route(s.peer, s.hdr.kind != Kind::Collective);
+            }
+            s.split(self.stripes_of(s.link));
             self.ensure_link(ctx, s.link, deadline)?;
         }
         for r in recvs.iter_mut() {
-            r.link = self.route(r.peer, !matches!(r.expect, Expect::Coll(_)));
+            if r.parts.is_empty() {
+                r.link = self.route(r.peer, !matches!(r.expect, Expect::Coll(_)));
+            }
             self.ensure_link(ctx, r.link, deadline)?;
         }
         for r in recvs.iter_mut() {
-            if r.id == 0 {
-                r.id = self.next_id;
-                self.next_id += 1;
+            r.split(self.stripes_of(r.link), &mut self.next_id);
+            if matches!(r.sink, Sink::Reduce { .. }) {
+                for j in 0..r.parts.len() {
+                    if r.parts[j].staging.is_empty() && !r.parts[j].done {
+                        r.parts[j].staging = self.take_staging();
+                    }
+                }
             }
-            if matches!(r.sink, Sink::Reduce { .. }) && r.staging.is_empty() {
-                r.staging = self.take_staging();
-            }
-            if let Some(inb) = self.inb[r.link].as_mut() {
-                inb.take_stashed(r);
+            if let Some(socks) = self.inb[r.link].as_mut() {
+                socks[0].take_stashed(r);
             }
         }
         let result = self.drive(ctx, sends, recvs, deadline, any);
         for r in recvs.iter_mut() {
-            // A partly filled staging buffer stays with its receive.
-            if !r.staging.is_empty() && (r.done() || r.staged == 0) {
-                self.staging_pool.push(std::mem::take(&mut r.staging));
+            for p in &mut r.parts {
+                // A partly filled staging buffer stays with its receive.
+                if !p.staging.is_empty() && (p.done || p.staged == 0) {
+                    self.staging_pool.push(std::mem::take(&mut p.staging));
+                }
             }
         }
         result
@@ -1126,9 +1428,16 @@ impl TcpLinks {
         let mut r = self.drive_until_done(ctx, sends, recvs, deadline, any);
         if let Err(Error::PeerClosed { peer, .. }) = &r {
             // A peer that failed first tells why before it closes; the notice may still sit
-            // unread behind the data (a send error is seen before it).
+            // unread behind the data (a send error is seen before it), on any of its sockets
+            // or its shared-memory pipe.
             let peer = *peer;
-            if let Some(h) = self.inb[peer].as_mut().and_then(next_abort) {
+            let (a, b) = self.inb.split_at_mut(self.n);
+            let notice = a[peer]
+                .iter_mut()
+                .chain(b[peer].iter_mut())
+                .flatten()
+                .find_map(next_abort);
+            if let Some(h) = notice {
                 let (reason, culprit) = abort_notice(&h);
                 r = Err(reason.remote_error(ctx.clone(), peer, culprit));
             }
@@ -1141,7 +1450,7 @@ impl TcpLinks {
 
     /// After a failure: finish the frames half sent to healthy peers (for at most 500 ms), so
     /// that their streams stay in step and can carry the abort notice. Only whole frames of
-    /// real data are sent; a frame that cannot be finished leaves its link without a notice.
+    /// real data are sent; a frame that cannot be finished leaves its socket without a notice.
     fn complete_partial_sends(&mut self, ctx: &OpContext, sends: &mut [SendOp], e: &Error) {
         let failed: Vec<usize> = match e {
             Error::Timeout { peers, .. } => peers.clone(),
@@ -1151,16 +1460,26 @@ impl TcpLinks {
         loop {
             let mut pending = false;
             for s in sends.iter_mut() {
-                if s.written == 0 || s.is_done() || failed.contains(&s.peer) {
+                if failed.contains(&s.peer) {
                     continue;
                 }
-                if self.inb[s.link].as_ref().is_none_or(|i| i.eof) {
-                    continue;
+                for j in 0..s.parts.len() {
+                    let p = &s.parts[j];
+                    if p.written == 0 || p.is_done() {
+                        continue;
+                    }
+                    let stripe = p.stripe;
+                    if self.inb[s.link]
+                        .as_ref()
+                        .is_none_or(|socks| socks[stripe].eof)
+                    {
+                        continue;
+                    }
+                    if self.pump_send(ctx, s, j).is_err() {
+                        continue;
+                    }
+                    pending |= !s.parts[j].is_done();
                 }
-                if self.pump_send(ctx, s).is_err() {
-                    continue;
-                }
-                pending |= !s.is_done();
             }
             if !pending || Instant::now() >= end {
                 return;
@@ -1183,25 +1502,27 @@ impl TcpLinks {
             let mut progress = false;
             let mut missing = false;
             for i in 0..sends.len() {
-                if sends[i].is_done()
-                    || sends[..i]
-                        .iter()
-                        .any(|s| s.link == sends[i].link && !s.is_done())
-                {
-                    continue;
+                let link = sends[i].link;
+                for j in 0..sends[i].parts.len() {
+                    let stripe = sends[i].parts[j].stripe;
+                    // Frames go out on each socket in the order of the sends.
+                    if sends[i].parts[j].is_done()
+                        || sends[..i].iter().any(|s| {
+                            s.link == link
+                                && s.parts.iter().any(|p| p.stripe == stripe && !p.is_done())
+                        })
+                    {
+                        continue;
+                    }
+                    if self.inb[link].is_none() {
+                        missing = true;
+                        break;
+                    }
+                    progress |= self.pump_send(ctx, &mut sends[i], j)?;
                 }
-                if self.inb[sends[i].link].is_none() {
-                    missing = true;
-                    continue;
-                }
-                progress |= self.pump_send(ctx, &mut sends[i])?;
             }
             for i in 0..recvs.len() {
-                if recvs[i].done()
-                    || recvs[..i]
-                        .iter()
-                        .any(|r| r.link == recvs[i].link && !r.done())
-                {
+                if recvs[i].done() {
                     continue;
                 }
                 let link = recvs[i].link;
@@ -1209,7 +1530,18 @@ impl TcpLinks {
                     missing = true;
                     continue;
                 }
-                progress |= self.pump_recv(ctx, link, recvs, Mode::Posted)?;
+                for j in 0..recvs[i].parts.len() {
+                    let stripe = recvs[i].parts[j].stripe;
+                    // Each socket is read once per pass, for the first receive waiting on it.
+                    if recvs[i].parts[j].done
+                        || recvs[..i]
+                            .iter()
+                            .any(|r| r.link == link && r.waits_on(stripe))
+                    {
+                        continue;
+                    }
+                    progress |= self.pump_recv(ctx, link, stripe, recvs, Mode::Posted)?;
+                }
             }
             if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
@@ -1219,7 +1551,7 @@ impl TcpLinks {
             }
             if missing {
                 // Links on their way: asks answered, connections accepted, asks repeated.
-                progress |= self.pump_asking();
+                progress |= self.pump_asking(ctx, deadline)?;
                 for link in sends
                     .iter()
                     .map(|s| s.link)
@@ -1233,12 +1565,15 @@ impl TcpLinks {
                 progress |= self.accept_pending();
             }
             if !progress {
-                // Idle: drain what other links hold for later operations.
+                // Idle: drain what other sockets and pipes hold for later operations.
                 for link in 0..self.inb.len() {
-                    let idle_link = matches!(&self.inb[link], Some(inb) if !inb.parked && !inb.eof)
-                        && !recvs.iter().any(|r| r.link == link && !r.done());
-                    if idle_link {
-                        progress |= self.pump_recv(ctx, link, recvs, Mode::Opportunistic)?;
+                    for stripe in 0..self.inb[link].as_ref().map_or(0, Vec::len) {
+                        let idle_socket = matches!(&self.inb[link], Some(socks) if !socks[stripe].parked && !socks[stripe].eof)
+                            && !recvs.iter().any(|r| r.link == link && r.waits_on(stripe));
+                        if idle_socket {
+                            progress |=
+                                self.pump_recv(ctx, link, stripe, recvs, Mode::Opportunistic)?;
+                        }
                     }
                 }
             }
@@ -1273,7 +1608,7 @@ impl TcpLinks {
             detail.push(format!(
                 "receive {what} from rank {} ({} of {} bytes)",
                 r.peer,
-                r.delivered + r.staged,
+                r.received(),
                 r.sink.len()
             ));
         }
@@ -1282,7 +1617,7 @@ impl TcpLinks {
             detail.push(format!(
                 "send to rank {} ({} of {} bytes)",
                 s.peer,
-                s.written,
+                s.written(),
                 s.total()
             ));
         }
@@ -1304,34 +1639,33 @@ impl TcpLinks {
         recvs: &[RecvOp],
         deadline: Instant,
     ) -> Result<()> {
-        // What each link waits for: (read, write).
-        let wants = |link: usize, inb: &Inbound| {
-            let wanted = recvs.iter().any(|r| r.link == link && !r.done());
-            (
-                wanted || !(inb.parked || inb.eof),
-                sends.iter().any(|s| s.link == link && !s.is_done()),
-            )
-        };
         let mut fds: Vec<PollFd> = Vec::with_capacity(sends.len() + self.inb.len() + 1);
+        // Shared-memory pipes: (link, pipe, wants to read, wants to write).
         let mut pipes: Vec<(usize, &ShmPipe, bool, bool)> = Vec::new();
-        for (link, inb) in self.inb.iter().enumerate() {
-            let Some(inb) = inb else { continue };
-            let (read, write) = wants(link, inb);
-            match &inb.pipe {
-                Pipe::Tcp(sock) => {
-                    let mut flags = PollFlags::empty();
-                    if read {
-                        flags |= PollFlags::POLLIN;
+        for (link, socks) in self.inb.iter().enumerate() {
+            let Some(socks) = socks else { continue };
+            for (stripe, inb) in socks.iter().enumerate() {
+                let wanted = recvs.iter().any(|r| r.link == link && r.waits_on(stripe));
+                let read = wanted || !(inb.parked || inb.eof);
+                let write = sends.iter().any(|s| {
+                    s.link == link && s.parts.iter().any(|p| p.stripe == stripe && !p.is_done())
+                });
+                match &inb.pipe {
+                    Pipe::Tcp(sock) => {
+                        let mut flags = PollFlags::empty();
+                        if read {
+                            flags |= PollFlags::POLLIN;
+                        }
+                        if write {
+                            flags |= PollFlags::POLLOUT;
+                        }
+                        if !flags.is_empty() {
+                            fds.push(PollFd::new(sock.as_fd(), flags));
+                        }
                     }
-                    if write {
-                        flags |= PollFlags::POLLOUT;
-                    }
-                    if !flags.is_empty() {
-                        fds.push(PollFd::new(sock.as_fd(), flags));
-                    }
+                    Pipe::Shm(p) if read || write => pipes.push((link, p, read, write)),
+                    Pipe::Shm(_) => {}
                 }
-                Pipe::Shm(p) if read || write => pipes.push((link, p, read, write)),
-                Pipe::Shm(_) => {}
             }
         }
         for sock in self.asking.iter().flatten() {
@@ -1404,15 +1738,18 @@ impl TcpLinks {
         Ok(())
     }
 
-    fn pump_send(&mut self, ctx: &OpContext, s: &mut SendOp) -> Result<bool> {
-        let pipe = &self.inb[s.link].as_ref().expect("linked").pipe;
+    /// Write as much of part `j` of `s` as its socket takes now.
+    fn pump_send(&mut self, ctx: &OpContext, s: &mut SendOp, j: usize) -> Result<bool> {
         let k = self.kind_of(s.link);
+        let p = &mut s.parts[j];
+        let inb = &mut self.inb[s.link].as_mut().expect("linked")[p.stripe];
+        let data = &s.data[p.lo..p.hi];
         let mut progress = false;
-        while !s.is_done() {
-            match pipe.send_frame(&s.hdr, s.data, s.written) {
+        while !p.is_done() {
+            match inb.pipe.send_frame(&p.hdr, data, p.written) {
                 Ok(0) => break,
                 Ok(n) => {
-                    s.written += n;
+                    p.written += n;
                     self.sent[k] += n as u64;
                     progress = true;
                 }
@@ -1420,9 +1757,7 @@ impl TcpLinks {
                 Err(e) => return Err(peer_io_error(ctx, s.peer, e)),
             }
         }
-        if let Some(inb) = self.inb[s.link].as_mut() {
-            inb.out_mid_frame = s.written > 0 && !s.is_done();
-        }
+        inb.out_mid_frame = p.written > 0 && !p.is_done();
         Ok(progress)
     }
 
@@ -1443,7 +1778,7 @@ impl TcpLinks {
         let end = Instant::now() + grace;
         while Instant::now() < end {
             let mut better = None;
-            for inb in self.inb.iter_mut().flatten() {
+            for inb in self.inb.iter_mut().flatten().flatten() {
                 // Bounded by the grace period even when a peer keeps sending data.
                 while Instant::now() < end {
                     let Some(h) = next_abort(inb) else { break };
@@ -1464,7 +1799,8 @@ impl TcpLinks {
 
     /// Tell every linked peer that this communicator failed (blaming `culprit` for `reason`),
     /// best effort and without blocking: a peer waiting on this rank then fails at once, with
-    /// the cause, instead of at its deadline. Links with a partly sent frame are skipped.
+    /// the cause, instead of at its deadline. The notice goes on every socket of the link that
+    /// is at a frame boundary (sockets with a partly sent frame are skipped).
     pub fn send_abort(&mut self, seq: u64, culprit: Option<usize>, reason: u8) {
         let h = Header {
             root: culprit.map_or(u32::MAX, |c| c as u32),
@@ -1472,12 +1808,12 @@ impl TcpLinks {
             ..Header::new(Kind::Abort, reason as u32, 0)
         };
         let bytes = h.encode();
-        for inb in self.inb.iter_mut().flatten() {
+        for inb in self.inb.iter_mut().flatten().flatten() {
             if inb.out_mid_frame || inb.eof {
                 continue;
             }
             // 40 bytes into a socket buffer: all or nothing in practice. After a partial
-            // write the stream is out of step: no further notice goes on this link.
+            // write the stream is out of step: no further notice goes on this socket.
             match inb.pipe.send_whole(&bytes) {
                 Ok(n) if n == bytes.len() => {}
                 Ok(0) | Err(_) => {}
@@ -1486,56 +1822,58 @@ impl TcpLinks {
         }
     }
 
-    /// Read and dispatch frames from `peer` as long as data is available and (in `Posted`
-    /// mode) someone wants it, or (in `Opportunistic` mode) the frames can be stashed.
+    /// Read and dispatch frames from socket `stripe` of `peer` as long as data is available
+    /// and (in `Posted` mode) someone wants it, or (in `Opportunistic` mode) the frames can be
+    /// stashed. Only socket 0 carries control frames and eager messages (and so has a stash);
+    /// the others carry stripes of large payloads only.
     fn pump_recv(
         &mut self,
         ctx: &OpContext,
         link: usize,
+        stripe: usize,
         recvs: &mut [RecvOp],
         mode: Mode,
     ) -> Result<bool> {
         let peer = link % self.n;
         let k = self.kind_of(link);
-        let inb = self.inb[link].as_mut().expect("accepted");
+        let inb = &mut self.inb[link].as_mut().expect("accepted")[stripe];
         if mode == Mode::Posted {
             inb.parked = false;
         }
-        let wanted = |recvs: &[RecvOp]| recvs.iter().any(|r| r.link == link && !r.done());
+        let wanted = |recvs: &[RecvOp]| recvs.iter().any(|r| r.link == link && r.waits_on(stripe));
         let mut progress = false;
         loop {
             // Payload of the current frame.
             if let Some((target, left)) = inb.cur.take() {
-                let idx = match &target {
-                    Target::Recv(id) | Target::Discard(id) => {
-                        match recvs.iter().position(|r| r.id == *id) {
-                            Some(i) => i,
-                            None => {
-                                // Only an opportunistic pass can see a frame whose receive is not
-                                // part of this exchange; leave it for the exchange that owns it.
-                                inb.cur = Some((target, left));
-                                if mode == Mode::Opportunistic {
-                                    inb.parked = true;
-                                    return Ok(progress);
-                                }
-                                return Err(Error::io(
-                                    ctx.clone(),
-                                    Some(peer),
-                                    "internal: a partly received message lost its receive",
-                                ));
+                let (i, j) = match &target {
+                    Target::Recv(id) | Target::Discard(id) => match find_part(recvs, *id) {
+                        Some(ij) => ij,
+                        None => {
+                            // Only an opportunistic pass can see a frame whose receive is not
+                            // part of this exchange; leave it for the exchange that owns it.
+                            inb.cur = Some((target, left));
+                            if mode == Mode::Opportunistic {
+                                inb.parked = true;
+                                return Ok(progress);
                             }
+                            return Err(Error::io(
+                                ctx.clone(),
+                                Some(peer),
+                                "internal: a partly received message lost its receive",
+                            ));
                         }
-                    }
-                    Target::Stash(..) => usize::MAX,
+                    },
+                    Target::Stash(..) => (usize::MAX, usize::MAX),
                 };
                 if left == 0 {
                     match target {
-                        Target::Recv(_) => {
-                            let r = &mut recvs[idx];
-                            r.flush_staging();
-                            r.got = r.pending;
+                        Target::Recv(_) | Target::Discard(_) => {
+                            let r = &mut recvs[i];
+                            let (p, sink) = r.part_mut(j);
+                            p.flush_staging(sink);
+                            let h = p.pending.expect("a frame is being read");
+                            r.finish_part(j, h);
                         }
-                        Target::Discard(_) => recvs[idx].got = recvs[idx].pending,
                         Target::Stash(h, data) => {
                             inb.push_stash(Stashed::Eager(h, data));
                             // A receive posted while this frame was on its way takes it now.
@@ -1556,7 +1894,10 @@ impl TcpLinks {
                     let bytes = &inb.ibuf[inb.ipos..inb.ipos + n];
                     let mut target = target;
                     match &mut target {
-                        Target::Recv(_) => recvs[idx].deliver(bytes),
+                        Target::Recv(_) => {
+                            let (p, sink) = recvs[i].part_mut(j);
+                            p.deliver(sink, bytes);
+                        }
                         Target::Stash(_, v) => v.extend_from_slice(bytes),
                         Target::Discard(_) => {}
                     }
@@ -1569,12 +1910,13 @@ impl TcpLinks {
                 inb.ipos = 0;
                 inb.iend = 0;
                 if matches!(target, Target::Recv(_)) && left >= DIRECT_READ_MIN && !inb.eof {
-                    let buf = recvs[idx].direct_target(left);
+                    let (p, sink) = recvs[i].part_mut(j);
+                    let buf = p.direct_target(sink, left);
                     match inb.pipe.read(buf) {
                         Ok(0) => return Err(closed(ctx, peer)),
                         Ok(n) => {
                             self.received[k] += n as u64;
-                            recvs[idx].direct_done(n);
+                            p.direct_done(sink, n);
                             inb.cur = Some((target, left - n));
                             progress = true;
                             continue;
@@ -1617,11 +1959,14 @@ impl TcpLinks {
                 .map_err(|_| protocol(format!("{}-byte payload", hdr.len)))?;
             let is_control = !hdr.kind.has_payload();
             if mode == Mode::Opportunistic {
-                let stashable = if is_control {
-                    inb.room_for(0)
-                } else {
-                    hdr.kind == Kind::P2p && len <= EAGER_MAX && inb.room_for(len)
-                };
+                // Only socket 0 stashes; on the others every frame waits for its receive
+                // (an abort notice is read when someone needs the socket).
+                let stashable = stripe == 0
+                    && if is_control {
+                        inb.room_for(0)
+                    } else {
+                        hdr.kind == Kind::P2p && len <= EAGER_MAX && inb.room_for(len)
+                    };
                 if !stashable {
                     inb.parked = true;
                     return Ok(progress);
@@ -1630,36 +1975,51 @@ impl TcpLinks {
             inb.ipos += HEADER_LEN;
             self.received[k] += HEADER_LEN as u64;
             progress = true;
+            // The first receive that waits for a frame on this socket (and satisfies `pred`).
             let pending_of = |recvs: &[RecvOp], pred: &dyn Fn(&RecvOp) -> bool| {
-                recvs
-                    .iter()
-                    .position(|r| r.link == link && !r.done() && r.pending.is_none() && pred(r))
+                recvs.iter().enumerate().find_map(|(i, r)| {
+                    if r.link != link || r.done() || !pred(r) {
+                        return None;
+                    }
+                    r.parts
+                        .iter()
+                        .position(|p| p.stripe == stripe && !p.done && p.pending.is_none())
+                        .map(|j| (i, j))
+                })
             };
             match hdr.kind {
                 Kind::Collective => {
-                    let idx = match_collective(ctx, peer, &hdr, recvs)?;
-                    recvs[idx].pending = Some(hdr);
-                    inb.cur = Some((Target::Recv(recvs[idx].id), len));
+                    let (i, j) = match_collective(ctx, peer, stripe, &hdr, recvs)?;
+                    let p = &mut recvs[i].parts[j];
+                    p.pending = Some(hdr);
+                    inb.cur = Some((Target::Recv(p.id), len));
                 }
                 Kind::P2p => {
-                    // The sender puts the message size in both `count` and `len`.
-                    if hdr.count != hdr.len {
+                    let matched = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag));
+                    // The sender puts the message size in `count`, and in `len` too unless the
+                    // frame is one stripe of agreed (RTS / Ready) data.
+                    let stripe_of_data = matched.is_some_and(|(i, _)| {
+                        matches!(recvs[i].expect, Expect::P2pData(_)) && recvs[i].parts.len() > 1
+                    });
+                    if hdr.count != hdr.len && !stripe_of_data {
                         return Err(protocol(format!(
                             "point-to-point frame with tag {} carries {len} bytes but announces {}",
                             hdr.tag, hdr.count
                         )));
                     }
-                    if let Some(idx) = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag)) {
-                        let r = &mut recvs[idx];
-                        let fits = len == r.sink.len();
+                    if let Some((i, j)) = matched {
+                        let r = &mut recvs[i];
+                        let whole = r.sink.len();
+                        let p = &mut r.parts[j];
+                        let fits = len == p.len();
                         match r.expect {
                             // The size was agreed (RTS / Ready): anything else is not our peer's
                             // program.
-                            Expect::P2pData(_) if !fits => {
+                            Expect::P2pData(_) if !fits || hdr.count != whole as u64 => {
                                 return Err(protocol(format!(
                                     "{len}-byte data with tag {} after agreeing on {} bytes",
                                     hdr.tag,
-                                    r.sink.len()
+                                    p.len()
                                 )));
                             }
                             // Eager data is never larger than EAGER_MAX (larger messages send
@@ -1672,16 +2032,16 @@ impl TcpLinks {
                             }
                             _ => {}
                         }
-                        r.pending = Some(hdr);
+                        p.pending = Some(hdr);
                         let t = if fits {
-                            Target::Recv(r.id)
+                            Target::Recv(p.id)
                         } else {
-                            Target::Discard(r.id)
+                            Target::Discard(p.id)
                         };
                         inb.cur = Some((t, len));
-                    } else if len <= EAGER_MAX && inb.room_for(len) {
+                    } else if stripe == 0 && len <= EAGER_MAX && inb.room_for(len) {
                         inb.cur = Some((Target::Stash(hdr, Vec::with_capacity(len)), len));
-                    } else if len <= EAGER_MAX {
+                    } else if stripe == 0 && len <= EAGER_MAX {
                         return Err(Error::Protocol {
                             ctx: ctx.clone(),
                             peer,
@@ -1709,9 +2069,15 @@ impl TcpLinks {
                     }
                     return Err(reason.remote_error(ctx.clone(), peer, culprit));
                 }
+                _ if stripe != 0 => {
+                    return Err(protocol(format!(
+                        "{:?} frame on data socket {stripe} (control frames use socket 0)",
+                        hdr.kind
+                    )));
+                }
                 _ => {
                     match pending_of(recvs, &|r| r.expect.accepts(&hdr, false)) {
-                        Some(idx) => recvs[idx].got = Some(hdr),
+                        Some((i, j)) => recvs[i].finish_part(j, hdr),
                         None if inb.room_for(0) => inb.push_stash(Stashed::Control(hdr)),
                         None => {
                             return Err(Error::Protocol {
@@ -1757,24 +2123,33 @@ fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> E
     }
 }
 
-/// Find the receive a collective frame belongs to: the first pending collective receive of the
-/// peer, with the same fingerprint. Anything else is a mismatch between the ranks' programs.
-fn match_collective(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> Result<usize> {
-    let idx = recvs
+/// Find the receive part a collective frame on socket `stripe` belongs to: the first pending
+/// collective receive of the peer that waits on that socket, with the same fingerprint and the
+/// stripe's size. Anything else is a mismatch between the ranks' programs.
+fn match_collective(
+    ctx: &OpContext,
+    peer: usize,
+    stripe: usize,
+    hdr: &Header,
+    recvs: &[RecvOp],
+) -> Result<(usize, usize)> {
+    let (i, j) = recvs
         .iter()
-        .position(|r| {
-            r.peer == peer
-                && !r.done()
-                && r.pending.is_none()
-                && matches!(r.expect, Expect::Coll(_))
+        .enumerate()
+        .filter(|(_, r)| r.peer == peer && !r.done() && matches!(r.expect, Expect::Coll(_)))
+        .find_map(|(i, r)| {
+            r.parts
+                .iter()
+                .position(|p| p.stripe == stripe && !p.done && p.pending.is_none())
+                .map(|j| (i, j))
         })
         .ok_or_else(|| unexpected(ctx, peer, hdr, recvs))?;
-    let r = &recvs[idx];
+    let r = &recvs[i];
     let Expect::Coll(fp) = r.expect else {
         unreachable!()
     };
-    if fp.same_fingerprint(hdr) && hdr.tag == fp.tag && hdr.len as usize == r.sink.len() {
-        Ok(idx)
+    if fp.same_fingerprint(hdr) && hdr.tag == fp.tag && hdr.len as usize == r.parts[j].len() {
+        Ok((i, j))
     } else {
         Err(unexpected(ctx, peer, hdr, recvs))
     }
