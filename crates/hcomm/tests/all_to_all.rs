@@ -126,3 +126,38 @@ fn per_rank_counts_travel_over_shared_memory() {
         assert!(shm > 0, "rank {r}");
     }
 }
+
+#[test]
+fn tables_never_overwrite_a_one_shot_slot_a_peer_still_reads() {
+    // Regression (found by `hcomm check --soak`): the v-variant's tables share the one-shot
+    // slots with small all-reduces, which have a single barrier, so a rank can start the next
+    // call while a peer still reads its slot. Alternate both, back to back, and check each.
+    expect_all(run_threads_with(4, TransportKind::Auto, T, |c| {
+        let me = c.rank();
+        for round in 0..300u32 {
+            let mut v: Vec<u32> = (0..417)
+                .map(|i| (i as u32 * 7 + me as u32 + round) % 97)
+                .collect();
+            c.all_reduce_in_place(&mut v, hcomm::ReduceOp::Max)?;
+            for (i, &x) in v.iter().enumerate() {
+                let want = (0..4)
+                    .map(|r| (i as u32 * 7 + r + round) % 97)
+                    .max()
+                    .unwrap();
+                assert_eq!(x, want, "round {round}, element {i}");
+            }
+            let sc: Vec<usize> = (0..4).map(|p| 1 + (me + p + round as usize) % 3).collect();
+            let rc: Vec<usize> = (0..4).map(|p| 1 + (p + me + round as usize) % 3).collect();
+            let send: Vec<u32> = (0..4)
+                .flat_map(|p| (0..sc[p]).map(move |i| value(me, p, i)))
+                .collect();
+            let mut recv = vec![0u32; rc.iter().sum()];
+            c.all_to_all_v(&send, &sc, &mut recv, &rc)?;
+            let want: Vec<u32> = (0..4)
+                .flat_map(|p| (0..rc[p]).map(move |i| value(p, me, i)))
+                .collect();
+            assert_eq!(recv, want, "round {round}");
+        }
+        Ok(())
+    }));
+}

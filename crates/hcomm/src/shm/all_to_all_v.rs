@@ -44,9 +44,11 @@ impl ShmGroup {
         let me = self.rank;
         debug_assert!(n <= MAX_RANKS && send.len() == n && recv.len() == n);
 
-        // 1. publish the table
-        let par = (self.steps % 2) as usize;
-        self.steps += 1;
+        // 1. publish the table, in the one-shot slot of this call's parity: like the one-shot
+        // collectives (which share the `calls` count), peers last read it two calls ago and
+        // have passed the previous call's barrier since
+        let par = (self.calls % 2) as usize;
+        self.calls += 1;
         let slot = self.layout.small(me, par);
         for p in 0..n {
             self.seg
@@ -80,7 +82,8 @@ impl ShmGroup {
                 longest = longest.max(sent);
             }
         }
-        // 3. (a peer reuses this slot only two collectives later, after this call's barriers)
+        // 3. (peers read the tables before their next barrier, which this rank awaits before
+        // its next call can rewrite the slot)
         self.all_to_all_staged(input, send, out, recv, None, longest, fp, w)
     }
 }
