@@ -225,6 +225,21 @@ pub enum LaunchError {
 /// each line is written under one lock.
 pub type SharedWriter = Arc<Mutex<dyn Write + Send>>;
 
+/// The port `hcomm run` gives torch.distributed (`MASTER_PORT`) next to hcomm's (`port`,
+/// `HCOMM_MASTER_PORT`): with `--master HOST:PORT` (`given`) the next one up (every node must
+/// agree; the one below for 65535), else another free port.
+pub fn torch_port(port: u16, given: bool, addr: &str) -> io::Result<u16> {
+    if given {
+        return Ok(port.checked_add(1).unwrap_or(port - 1));
+    }
+    loop {
+        let p = free_port(addr)?;
+        if p != port {
+            return Ok(p);
+        }
+    }
+}
+
 /// Returns a TCP port that is free on `addr` right now (binds `addr:0`, reads
 /// the port the system chose, and closes the socket again).
 pub fn free_port(addr: &str) -> io::Result<u16> {
@@ -490,6 +505,9 @@ struct Ctx<'a> {
     spec: &'a LaunchSpec,
     output: &'a Output,
     port: u16,
+    /// `MASTER_PORT` for torch.distributed's own store: not hcomm's port, so that a program
+    /// using both (hcomm's API and a gloo group, say) does not bind one port twice.
+    torch_port: u16,
     /// The token this launcher made for the job, if it made one. Never printed.
     token: Option<&'a str>,
     events: &'a Sender<Event>,
@@ -510,6 +528,7 @@ fn spawn_rank(
     let (rank_s, local_s, nprocs_s) =
         (rank.to_string(), local.to_string(), spec.nprocs.to_string());
     let port = ctx.port.to_string();
+    let torch_port = ctx.torch_port.to_string();
 
     let mut cmd = Command::new(program);
     cmd.args(&spec.args).process_group(0).stdin(Stdio::null());
@@ -519,10 +538,11 @@ fn spawn_rank(
         (ENV_LOCAL_RANK, "LOCAL_RANK", &local_s),
         (ENV_LOCAL_WORLD_SIZE, "LOCAL_WORLD_SIZE", &nprocs_s),
         (ENV_MASTER_ADDR, "MASTER_ADDR", &spec.master_addr),
-        (ENV_MASTER_PORT, "MASTER_PORT", &port),
     ] {
         cmd.env(hcomm, value).env(torch, value);
     }
+    cmd.env(ENV_MASTER_PORT, &port)
+        .env("MASTER_PORT", &torch_port);
     if let Some(token) = ctx.token {
         cmd.env(ENV_JOB_TOKEN, token);
     }
@@ -733,6 +753,7 @@ fn run(
         Some(port) => port,
         None => free_port(&spec.master_addr)?,
     };
+    let torch_port = torch_port(port, spec.master_port.is_some(), &spec.master_addr)?;
     let token = job_token(spec, &output.err)?;
     // Before any rank exists, so that a signal cannot kill the launcher and
     // leave ranks behind.
@@ -749,6 +770,7 @@ fn run(
             spec,
             output: &output,
             port,
+            torch_port,
             token: token.as_deref(),
             events: &tx,
             readers_done: &readers_done,
@@ -890,6 +912,14 @@ mod tests {
     #[test]
     fn free_port_is_nonzero() {
         assert_ne!(free_port("127.0.0.1").unwrap(), 0);
+    }
+
+    #[test]
+    fn torch_gets_its_own_port() {
+        assert_eq!(torch_port(29500, true, "127.0.0.1").unwrap(), 29501);
+        assert_eq!(torch_port(65535, true, "127.0.0.1").unwrap(), 65534);
+        let p = free_port("127.0.0.1").unwrap();
+        assert_ne!(torch_port(p, false, "127.0.0.1").unwrap(), p);
     }
 
     fn forwarded(input: &[u8], prefix: &str) -> String {

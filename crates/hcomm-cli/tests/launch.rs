@@ -53,13 +53,20 @@ fn three_ranks_get_their_environment() {
         );
         let port = &ranks[&0]["port"];
         assert_ne!(port.parse::<u16>().unwrap(), 0);
+        // torch.distributed's MASTER_PORT is another port (its store and hcomm's must not
+        // both bind one), the same on every rank
+        let torch_port = ranks[&0]["torch"].rsplit('/').next().unwrap().to_string();
+        assert_ne!(&torch_port, port);
         for (rank, f) in &ranks {
             assert_eq!(f["rank"], rank.to_string());
             assert_eq!(f["world"], "3");
             assert_eq!(f["local"], format!("{rank}/3"));
             assert_eq!(f["addr"], "127.0.0.1");
             assert_eq!(&f["port"], port, "all ranks share the master port");
-            assert_eq!(f["torch"], format!("{rank}/3/{rank}/3/127.0.0.1/{port}"));
+            assert_eq!(
+                f["torch"],
+                format!("{rank}/3/{rank}/3/127.0.0.1/{torch_port}")
+            );
             assert_eq!(f["extra"], "bar");
         }
         assert_eq!(run.err, "");
@@ -87,7 +94,8 @@ fn node_rank_offsets_global_ranks() {
             assert_eq!(f["rank"], rank.to_string());
             assert_eq!(f["world"], "6");
             assert_eq!(f["local"], format!("{local}/2"));
-            assert_eq!(f["torch"], format!("{rank}/6/{local}/2/10.1.2.3/29555"));
+            assert_eq!(f["port"], "29555");
+            assert_eq!(f["torch"], format!("{rank}/6/{local}/2/10.1.2.3/29556"));
         }
     });
 }
