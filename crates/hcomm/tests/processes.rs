@@ -796,3 +796,57 @@ fn point_to_point_works_through_a_4_kib_ring() {
     });
     assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
 }
+
+fn departed_idle_peer_worker() {
+    let comm = Communicator::from_env().unwrap();
+    let me = comm.rank();
+    assert!(comm.p2p_over_shared_memory((me + 1) % 3));
+    let mut v = vec![1f32; 1000];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    if me == 2 {
+        // Done with its work: leaves without dropping the communicator (as `os._exit`, or a
+        // Python global at interpreter exit), so its rings never say "closed".
+        println!("WORKER OK rank {me}");
+        std::mem::forget(comm);
+        std::process::exit(0);
+    }
+    // Ranks 0 and 1 go on with point-to-point between themselves; rank 0 waits long enough
+    // (several liveness checks) for rank 1's messages.
+    for i in 0..3u32 {
+        let mut buf = vec![0u8; 1000];
+        if me == 1 {
+            std::thread::sleep(Duration::from_millis(400));
+            comm.send(0, i, &vec![i as u8; 1000]).unwrap();
+        } else {
+            comm.recv(1, i, &mut buf)
+                .unwrap_or_else(|e| panic!("recv {i} from rank 1 failed: {e}"));
+            assert!(buf.iter().all(|&b| b == i as u8));
+        }
+    }
+    println!("WORKER OK rank {me}");
+}
+
+/// A rank that finished and left (without closing its rings) is no error for point-to-point
+/// that does not involve it: ranks 0 and 1 keep exchanging messages over their own rings (as
+/// over TCP, where a departed peer's closed socket is only remembered until someone needs it).
+#[test]
+fn a_departed_peer_does_not_fail_point_to_point_between_others() {
+    if is_worker() {
+        return departed_idle_peer_worker();
+    }
+    let port = free_port();
+    let n = 3;
+    let kids = spawn(
+        "a_departed_peer_does_not_fail_point_to_point_between_others",
+        n,
+        |r| {
+            vec![
+                ("HCOMM_RANK".into(), r.to_string()),
+                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+                ("HCOMM_MASTER_PORT".into(), port.to_string()),
+            ]
+        },
+    );
+    assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
+}

@@ -1640,8 +1640,9 @@ impl TcpLinks {
         deadline: Instant,
     ) -> Result<()> {
         let mut fds: Vec<PollFd> = Vec::with_capacity(sends.len() + self.inb.len() + 1);
-        // Shared-memory pipes: (link, pipe, wants to read, wants to write).
-        let mut pipes: Vec<(usize, &ShmPipe, bool, bool)> = Vec::new();
+        // Shared-memory pipes: (link, pipe, wants to read, wants to write, this operation
+        // needs the peer).
+        let mut pipes: Vec<(usize, &ShmPipe, bool, bool, bool)> = Vec::new();
         for (link, socks) in self.inb.iter().enumerate() {
             let Some(socks) = socks else { continue };
             for (stripe, inb) in socks.iter().enumerate() {
@@ -1663,7 +1664,9 @@ impl TcpLinks {
                             fds.push(PollFd::new(sock.as_fd(), flags));
                         }
                     }
-                    Pipe::Shm(p) if read || write => pipes.push((link, p, read, write)),
+                    Pipe::Shm(p) if read || write => {
+                        pipes.push((link, p, read, write, wanted || write))
+                    }
                     Pipe::Shm(_) => {}
                 }
             }
@@ -1673,11 +1676,16 @@ impl TcpLinks {
         }
         fds.push(PollFd::new(self.acceptor.wake.as_fd(), PollFlags::POLLIN));
         if !pipes.is_empty() {
-            // Shared-memory peers: their processes must still live (a killed one never closes
-            // its end), checked every 100 ms.
+            // Shared-memory peers this operation waits for: their processes must still live (a
+            // killed one never closes its end), checked every 100 ms. A peer that is merely
+            // drained while idle may have finished and left: no error until someone needs it
+            // (as a closed socket).
             let now = Instant::now();
             if now.duration_since(self.shm_checked) >= Duration::from_millis(100) {
-                for (link, p, ..) in &pipes {
+                for (link, p, .., needed) in &pipes {
+                    if !needed {
+                        continue;
+                    }
                     if let Some(detail) = p.peer_gone() {
                         return Err(Error::PeerClosed {
                             ctx: ctx.clone(),
@@ -1705,7 +1713,7 @@ impl TcpLinks {
                     || {
                         pipes
                             .iter()
-                            .any(|(_, p, r, w)| *r && p.readable() || *w && p.writable())
+                            .any(|(_, p, r, w, _)| *r && p.readable() || *w && p.writable())
                     },
                     left,
                 );
