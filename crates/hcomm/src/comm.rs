@@ -1840,7 +1840,7 @@ fn setup_p2p_shm(
     local: &[usize],
     timeout: Duration,
 ) -> Result<Option<crate::shm::p2p::P2pShm>> {
-    use crate::shm::p2p::{ring_bytes_from_env, P2pLayout, P2pShm};
+    use crate::shm::p2p::{ring_bytes_for, P2pLayout, P2pShm};
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let serr = |e: crate::bootstrap::store::StoreError| {
@@ -1854,7 +1854,7 @@ fn setup_p2p_shm(
     let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
     let ranks = local.len();
     let shm = if rank == leader {
-        let ring = ring_bytes_from_env();
+        let ring = ring_bytes_for(ranks);
         let layout = P2pLayout { ranks, ring };
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -31,21 +31,28 @@ const PID: usize = 8;
 const PIDNS: usize = 12;
 const CLOSED: usize = 16;
 
-/// Default bytes of each ring (one per ordered pair of ranks on a host).
+/// Default bytes of each ring (one per ordered pair of ranks on a host), for up to 16 ranks.
 pub const DEFAULT_RING_BYTES: usize = 256 << 10;
+/// Default budget of all of a host's rings together: with more than 16 local ranks the rings
+/// shrink (to 4 KiB at least) so that the `n (n - 1)` of them stay within it.
+pub const DEFAULT_RINGS_BUDGET: usize = 64 << 20;
 
-/// The configured ring size: `HCOMM_SHM_P2P_BYTES` (0 turns point-to-point over shared memory
-/// off) or [`DEFAULT_RING_BYTES`]; otherwise clamped to 4 KiB ..= 64 MiB and rounded up to
-/// 4 KiB.
-pub fn ring_bytes_from_env() -> usize {
-    let v = std::env::var("HCOMM_SHM_P2P_BYTES")
+/// The ring size for `ranks` ranks on a host: `HCOMM_SHM_P2P_BYTES` (0 turns point-to-point
+/// over shared memory off; other values are clamped to 4 KiB ..= 64 MiB and rounded up to
+/// 4 KiB), else [`DEFAULT_RING_BYTES`], made smaller when the host's rings would exceed
+/// [`DEFAULT_RINGS_BUDGET`].
+pub fn ring_bytes_for(ranks: usize) -> usize {
+    let set = std::env::var("HCOMM_SHM_P2P_BYTES")
         .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(DEFAULT_RING_BYTES);
-    if v == 0 {
-        return 0;
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    match set {
+        Some(0) => 0,
+        Some(v) => v.clamp(4 << 10, 64 << 20).div_ceil(4096) * 4096,
+        None => {
+            let pairs = (ranks * ranks.saturating_sub(1)).max(1);
+            (DEFAULT_RINGS_BUDGET / pairs / 4096 * 4096).clamp(4 << 10, DEFAULT_RING_BYTES)
+        }
     }
-    v.clamp(4 << 10, 64 << 20).div_ceil(4096) * 4096
 }
 
 /// Layout of a point-to-point segment for `ranks` ranks on one host.
@@ -328,6 +335,21 @@ impl ShmPipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rings_shrink_to_the_budget_with_many_ranks() {
+        if std::env::var_os("HCOMM_SHM_P2P_BYTES").is_some() {
+            return; // the setting wins; nothing to check here
+        }
+        assert_eq!(ring_bytes_for(2), DEFAULT_RING_BYTES);
+        assert_eq!(ring_bytes_for(16), DEFAULT_RING_BYTES); // 240 rings: 60 MiB
+        assert_eq!(ring_bytes_for(32), 64 << 10); // 992 rings: 62 MiB
+        assert_eq!(ring_bytes_for(64), 16 << 10);
+        assert_eq!(ring_bytes_for(512), 4 << 10); // the floor
+        for n in [17, 24, 40, 100, 128] {
+            assert!(n * (n - 1) * ring_bytes_for(n) <= DEFAULT_RINGS_BUDGET, "{n} ranks");
+        }
+    }
 
     #[test]
     fn layout_places_every_ring_apart() {
