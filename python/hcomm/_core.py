@@ -893,6 +893,11 @@ class Communicator:
                 val = (torch.frombuffer(vb, dtype=values.dtype) if len(vb) else torch.empty(0, dtype=values.dtype))
                 val = val.reshape((idx.shape[0],) + row_shape)
                 if coo:
+                    if idx.numel() and int(idx[-1]) >= dense_shape[0]:
+                        raise ValueError(
+                            f"{name}: the reduced rows reach row {int(idx[-1])}, but this rank's tensor has "
+                            f"{dense_shape[0]} rows (the ranks' tensors differ in size)"
+                        )
                     return torch.sparse_coo_tensor(idx.unsqueeze(0), val, dense_shape, is_coalesced=True)
                 return idx, val
             import numpy as np

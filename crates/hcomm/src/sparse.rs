@@ -116,37 +116,58 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<(Vec<i64>, Vec<u8>)> {
         let bad = |msg: String| Error::invalid(OP, 0, msg);
-        if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
-            return Err(bad(format!(
-                "op {op} is not defined for sparse tensors (rows a rank lacks are zero); use sum or mean"
-            )));
-        }
-        let row_bytes = row_len
-            .checked_mul(dtype.size())
-            .ok_or_else(|| bad(format!("row_len {row_len} is too large")))?;
-        let want = indices.len().checked_mul(row_bytes);
-        if want != Some(values.len()) {
-            return Err(bad(format!(
-                "values are {} bytes, expected {} rows × {row_len} {dtype} elements = {} bytes",
-                values.len(),
-                indices.len(),
-                indices.len().saturating_mul(row_bytes)
-            )));
-        }
-        if let Some(i) = indices.iter().position(|&i| i < 0) {
-            return Err(bad(format!(
-                "indices[{i}] is {}, row indices must be >= 0",
-                indices[i]
-            )));
-        }
+        let row_bytes = row_len.checked_mul(dtype.size());
+        // Checked here, but reported only after every rank has said whether its arguments are
+        // good: a rank with bad ones must not leave the others waiting in the gathers.
+        let local = (|| {
+            if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                return Err(bad(format!(
+                    "op {op} is not defined for sparse tensors (rows a rank lacks are zero); use sum or mean"
+                )));
+            }
+            let row_bytes =
+                row_bytes.ok_or_else(|| bad(format!("row_len {row_len} is too large")))?;
+            if indices.len().checked_mul(row_bytes) != Some(values.len()) {
+                return Err(bad(format!(
+                    "values are {} bytes, expected {} rows × {row_len} {dtype} elements = {} bytes",
+                    values.len(),
+                    indices.len(),
+                    indices.len().saturating_mul(row_bytes)
+                )));
+            }
+            if let Some(i) = indices.iter().position(|&i| i < 0) {
+                return Err(bad(format!(
+                    "indices[{i}] is {}, row indices must be >= 0",
+                    indices[i]
+                )));
+            }
+            Ok(row_bytes)
+        })();
 
-        // Every rank's row count, row length and dtype: the gather sizes, and a check that the
-        // ranks agree (every rank sees every header, so all fail together, naming the rank).
+        // Every rank's row count, row length, dtype and verdict: the gather sizes, and a check
+        // that the ranks agree (every rank sees every header, so all fail together, naming the
+        // rank).
         let n = self.world_size();
-        let mine = [indices.len() as u64, row_len as u64, dtype as u8 as u64];
-        let mut headers = vec![0u64; 3 * n];
+        let mine = [
+            indices.len() as u64,
+            row_len as u64,
+            dtype as u8 as u64,
+            u64::from(local.is_ok()),
+        ];
+        let mut headers = vec![0u64; 4 * n];
         self.all_gather(&mine, &mut headers)?;
-        for (r, h) in headers.chunks(3).enumerate() {
+        let row_bytes = local?;
+        if let Some(r) = headers.chunks(4).position(|h| h[3] == 0) {
+            return Err(Error::Remote {
+                ctx: crate::error::OpContext { op: OP, seq: 0 },
+                peer: r,
+                culprit: Some(r),
+                msg: format!(
+                    "rank {r} called {OP} with invalid arguments (its own error says which)"
+                ),
+            });
+        }
+        for (r, h) in headers.chunks(4).enumerate() {
             if h[1] != row_len as u64 || h[2] != dtype as u8 as u64 {
                 let theirs = DType::from_code(h[2] as u8).map_or("?".into(), |d| d.to_string());
                 return Err(Error::Mismatch {
@@ -159,7 +180,7 @@ impl Communicator {
                 });
             }
         }
-        let counts: Vec<usize> = headers.chunks(3).map(|h| h[0] as usize).collect();
+        let counts: Vec<usize> = headers.chunks(4).map(|h| h[0] as usize).collect();
         let total: usize = counts.iter().sum();
 
         let mut all_indices = vec![0i64; total];

@@ -227,3 +227,31 @@ fn sparse_rows_type_is_usable() {
     r.add_to_dense(&mut d).unwrap();
     assert_eq!(d, vec![0, 0, 0, 0, 1, 2]);
 }
+
+#[test]
+fn bad_arguments_on_one_rank_fail_every_rank_at_once() {
+    // Rank 1 passes an op sparse tensors do not have: it gets the InvalidArgument, the others
+    // an error naming it (not a timeout waiting in the gathers).
+    let results = run_threads_with(3, TransportKind::Auto, Duration::from_secs(30), |c| {
+        c.set_timeout(Duration::from_secs(20));
+        let op = if c.rank() == 1 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        c.sparse_all_reduce::<f32>(&[0], &[1.0; 2], 2, op)
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        if r == 1 {
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        } else {
+            assert!(matches!(e, Error::Remote { peer: 1, .. }), "rank {r}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("rank 1 called sparse_all_reduce with invalid arguments"),
+                "{e}"
+            );
+        }
+    }
+}

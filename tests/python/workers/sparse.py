@@ -96,4 +96,15 @@ except hcomm.MismatchError as e:
 else:
     raise AssertionError("a row shape that differs across ranks must fail")
 print("ok mismatch", flush=True)
+
+# tables of different sizes: the rank whose table is too small for the reduced rows says so
+rows = TABLE + 10 if R == 0 else TABLE
+t = torch.sparse_coo_tensor(torch.tensor([[rows - 1]]), torch.ones(1, 2), (rows, 2))
+try:
+    comm.sparse_all_reduce(t)
+except ValueError as e:
+    assert R != 0 and "differ in size" in str(e), e
+else:
+    assert R == 0, "a table smaller than the reduced rows must fail"
+print("ok table sizes", flush=True)
 print("WORKER OK", flush=True)

@@ -347,7 +347,10 @@ mod tests {
         assert_eq!(ring_bytes_for(64), 16 << 10);
         assert_eq!(ring_bytes_for(512), 4 << 10); // the floor
         for n in [17, 24, 40, 100, 128] {
-            assert!(n * (n - 1) * ring_bytes_for(n) <= DEFAULT_RINGS_BUDGET, "{n} ranks");
+            assert!(
+                n * (n - 1) * ring_bytes_for(n) <= DEFAULT_RINGS_BUDGET,
+                "{n} ranks"
+            );
         }
     }
 
