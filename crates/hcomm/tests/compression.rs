@@ -821,3 +821,76 @@ fn fused_random_k_agrees_across_ranks_and_fusion_refuses_bad_input() {
         }
     }
 }
+
+/// The top-k by the definition: magnitudes descending (NaN largest), lower index first among
+/// equals; the first `k`, ascending.
+fn top_k_reference(x: &[f32], k: usize) -> Vec<u32> {
+    let key = |v: f32| {
+        if v.is_nan() {
+            f32::INFINITY.to_bits() + 1
+        } else {
+            v.abs().to_bits()
+        }
+    };
+    let mut order: Vec<u32> = (0..x.len() as u32).collect();
+    order.sort_by(|&a, &b| key(x[b as usize]).cmp(&key(x[a as usize])).then(a.cmp(&b)));
+    let mut out = order[..k.min(x.len())].to_vec();
+    out.sort_unstable();
+    out
+}
+
+#[test]
+fn top_k_of_large_inputs_equals_the_definition() {
+    // Large enough for the sampled threshold; distributions with and without ties, a few
+    // non-zeros among zeros (k reaches into the zeros), all equal (the guess keeps everything:
+    // the full selection runs), NaNs, and a heavy tail.
+    let mut rng = SplitMix64::new(7);
+    let mut uniform =
+        |scale: f32| (rng.next_u64() >> 40) as f32 / 16_777_216.0 * scale - scale / 2.0;
+    for n in [65_536usize, 100_003, 262_147] {
+        let dists: Vec<(&str, Vec<f32>)> = vec![
+            ("uniform", (0..n).map(|_| uniform(2e-3)).collect()),
+            (
+                "8 levels",
+                (0..n).map(|_| (uniform(8.0) as i32) as f32 * 0.5).collect(),
+            ),
+            (
+                "sparse",
+                (0..n)
+                    .map(|i| if i % 997 == 0 { uniform(1.0) } else { 0.0 })
+                    .collect(),
+            ),
+            ("equal", vec![0.125; n]),
+            (
+                "nan",
+                (0..n)
+                    .map(|i| {
+                        if i % 50_000 == 3 {
+                            f32::NAN
+                        } else {
+                            uniform(1.0)
+                        }
+                    })
+                    .collect(),
+            ),
+            (
+                "tail",
+                (0..n)
+                    .map(|_| {
+                        let u = uniform(1.0);
+                        u * u * u * 1e6
+                    })
+                    .collect(),
+            ),
+        ];
+        for (name, x) in &dists {
+            for k in [1, 7, n / 1000, n / 100, n / 100 + 1, n / 9, n / 8] {
+                assert_eq!(
+                    top_k_indices(x, k),
+                    top_k_reference(x, k),
+                    "{name}, n {n}, k {k}"
+                );
+            }
+        }
+    }
+}
