@@ -1213,7 +1213,7 @@ impl Communicator {
         };
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
-        let deadline = Instant::now() + timeout;
+        let deadline = inner.history.deadline(timeout);
         let result = {
             let inner = &mut *inner;
             let mut run = Run {
@@ -1345,7 +1345,7 @@ impl Communicator {
         let (mut inner, ctx) = self.lock(op)?;
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
-        let deadline = Instant::now() + timeout;
+        let deadline = inner.history.deadline(timeout);
         let send_id = match &send {
             Some((p, _, _)) => {
                 inner.p2p_ids[*p] += 1;
@@ -1379,7 +1379,7 @@ impl Communicator {
         let (mut inner, ctx) = self.lock(op)?;
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
-        let deadline = Instant::now() + timeout;
+        let deadline = inner.history.deadline(timeout);
         let mut sends = vec![SendOp::new(peer, Header::new(kind, tag, 0), &[])];
         let r = inner.links.exchange(&ctx, &mut sends, &mut [], deadline);
         Self::finish(&mut inner, false, r)
@@ -1390,7 +1390,7 @@ impl Communicator {
         let (mut inner, ctx) = self.lock(op)?;
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
-        let deadline = Instant::now() + timeout;
+        let deadline = inner.history.deadline(timeout);
         let mut recvs = vec![RecvOp::control(peer, &[kind], tag)];
         let r = inner.links.exchange(&ctx, &mut [], &mut recvs, deadline);
         Self::finish(&mut inner, false, r)

@@ -18,7 +18,7 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -37,6 +37,9 @@ thread_local! {
 pub(crate) struct Turns {
     next: AtomicU64,
     serving: AtomicU64,
+    /// Threads waiting (or about to wait) for their turn: a finished turn wakes them only when
+    /// there are any (a condvar's notify is a syscall even with nobody waiting).
+    waiters: AtomicUsize,
     lock: Mutex<()>,
     changed: Condvar,
 }
@@ -66,9 +69,15 @@ impl Turns {
     fn wait_for(self: &Arc<Self>, ticket: u64) -> TurnGuard {
         if self.serving.load(Ordering::Acquire) != ticket {
             let mut g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+            // Dekker with the finishing turn (store, fence, read the count): either this check
+            // sees the new turn, or the finisher sees a waiter and notifies under the lock,
+            // which this thread holds until it waits (model: tests/shm_model.rs).
+            self.waiters.fetch_add(1, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
             while self.serving.load(Ordering::Acquire) != ticket {
                 g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
             }
+            self.waiters.fetch_sub(1, Ordering::Relaxed);
         }
         let key = self.key();
         HELD.with(|h| h.borrow_mut().push(key));
@@ -99,9 +108,12 @@ impl Drop for TurnGuard {
             }
         });
         self.turns.serving.store(self.ticket + 1, Ordering::Release);
-        // Taking the lock orders this store before a waiter's check-then-sleep.
-        let _g = self.turns.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.turns.changed.notify_all();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.turns.waiters.load(Ordering::Relaxed) > 0 {
+            // Taking the lock orders this store before a waiter's check-then-sleep.
+            let _g = self.turns.lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.turns.changed.notify_all();
+        }
     }
 }
 

@@ -44,6 +44,16 @@ impl History {
         self.current = Some((ctx.clone(), Instant::now()));
     }
 
+    /// The deadline of the current operation: `timeout` after it began (one clock read per
+    /// operation fewer than reading the clock again; the clock is a visible part of a small
+    /// operation's cost).
+    pub(crate) fn deadline(&self, timeout: std::time::Duration) -> Instant {
+        self.current
+            .as_ref()
+            .map_or_else(Instant::now, |(_, start)| *start)
+            + timeout
+    }
+
     /// Record the end of the current operation; returns a hang report if it timed out.
     pub(crate) fn end(&mut self, outcome: Result<(), &Error>) -> Option<String> {
         let (ctx, start) = self.current.take()?;

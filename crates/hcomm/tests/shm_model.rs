@@ -209,3 +209,44 @@ fn ring_doorbell_never_loses_a_wakeup() {
         sleepers.fetch_sub(1, Ordering::Relaxed);
     });
 }
+
+/// The progress engine's turns (`src/engine.rs`): a finishing turn notifies only when a thread
+/// counts itself as waiting. With the waiter counting itself under the lock and both sides
+/// fenced, the next turn's thread is never left asleep.
+#[test]
+fn a_finished_turn_never_leaves_the_next_one_asleep() {
+    use loom::sync::atomic::{AtomicU64, AtomicUsize};
+    use loom::sync::{Condvar, Mutex};
+    loom::model(|| {
+        let serving = Arc::new(AtomicU64::new(0));
+        let waiters = Arc::new(AtomicUsize::new(0));
+        let lock = Arc::new(Mutex::new(()));
+        let changed = Arc::new(Condvar::new());
+        let (s, w, l, c) = (
+            serving.clone(),
+            waiters.clone(),
+            lock.clone(),
+            changed.clone(),
+        );
+        let finisher = loom::thread::spawn(move || {
+            s.store(1, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if w.load(Ordering::Relaxed) > 0 {
+                let _g = l.lock().unwrap();
+                c.notify_all();
+            }
+        });
+        // The thread holding ticket 1 waits for its turn (loom reports a deadlock if it is
+        // never woken).
+        if serving.load(Ordering::Acquire) != 1 {
+            let mut g = lock.lock().unwrap();
+            waiters.fetch_add(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            while serving.load(Ordering::Acquire) != 1 {
+                g = changed.wait(g).unwrap();
+            }
+            waiters.fetch_sub(1, Ordering::Relaxed);
+        }
+        finisher.join().unwrap();
+    });
+}
