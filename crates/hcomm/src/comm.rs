@@ -1703,9 +1703,106 @@ fn p2p_protocol(
     earlier_nack(links)
 }
 
-/// Create (rank 0) or attach (others) the communicator's shared-memory segment, agree through
-/// the store that every rank has it, then unlink its name: nothing is left in /dev/shm even if
-/// a rank crashes later. Any failure means TCP for everyone (unless `HCOMM_TRANSPORT=shm`).
+/// What came of [`share_segment`].
+enum Shared<S> {
+    /// Every rank that had to has the segment.
+    Ready(S),
+    /// The leader could not create it (or chose not to); its reason.
+    NotCreated(String),
+    /// The leader created it, but a rank could not map it (or the vote ran out of time).
+    NotEverywhere,
+}
+
+/// The protocol by which ranks of one host share a segment: the leader creates it and
+/// publishes `record` ("NAME PARAMETER") under `prefix`; every other rank attaches and votes
+/// (1 = attached, 1000 = failed) under `prefix/attached`; once all `voters` voted (or the
+/// deadline passed) the leader unlinks the name, whatever happened, so nothing is left in
+/// /dev/shm even if a rank crashes later, and publishes the verdict under `prefix/ok`.
+#[allow(clippy::too_many_arguments)]
+fn share_segment<S>(
+    store: &mut StoreClient,
+    prefix: &str,
+    leader: bool,
+    voters: usize,
+    deadline: Instant,
+    serr: &dyn Fn(crate::bootstrap::store::StoreError) -> Error,
+    create: impl FnOnce() -> std::io::Result<(S, String)>,
+    attach: impl FnOnce(&str, &str) -> Result<Option<S>>,
+    unlink: impl Fn(&S),
+) -> Result<Shared<S>> {
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let votes = format!("{prefix}/attached");
+    let verdict_key = format!("{prefix}/ok");
+    if leader {
+        return match create() {
+            Ok((seg, record)) => {
+                let votes_in = (|| -> Result<bool> {
+                    store.set(prefix, record.as_bytes()).map_err(serr)?;
+                    loop {
+                        let v = store.add(&votes, 0).map_err(serr)?;
+                        if v % 1000 + v / 1000 >= voters as i64 {
+                            return Ok(v / 1000 == 0);
+                        }
+                        if left().is_zero() {
+                            return Ok(false);
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                })();
+                unlink(&seg);
+                let ok = votes_in?;
+                store
+                    .set(&verdict_key, if ok { b"1" } else { b"0" })
+                    .map_err(serr)?;
+                Ok(if ok {
+                    Shared::Ready(seg)
+                } else {
+                    Shared::NotEverywhere
+                })
+            }
+            Err(e) => {
+                store
+                    .set(prefix, format!("none {e}").as_bytes())
+                    .map_err(serr)?;
+                store.set(&verdict_key, b"0").map_err(serr)?;
+                Ok(Shared::NotCreated(e.to_string()))
+            }
+        };
+    }
+    let v = store.get(prefix, left()).map_err(serr)?;
+    let v = String::from_utf8_lossy(&v).into_owned();
+    let (name, rest) = v.split_once(' ').unwrap_or((v.as_str(), ""));
+    if name == "none" {
+        store.get(&verdict_key, left()).map_err(serr)?;
+        return Ok(Shared::NotCreated(rest.to_string()));
+    }
+    let attached = attach(name, rest)?;
+    store
+        .add(&votes, if attached.is_some() { 1 } else { 1000 })
+        .map_err(serr)?;
+    let verdict = store.get(&verdict_key, left()).map_err(serr)?;
+    Ok(match attached {
+        Some(seg) if verdict == b"1" => Shared::Ready(seg),
+        _ => Shared::NotEverywhere,
+    })
+}
+
+/// A segment name unique to this job and host: `kind`, the communicator, the creator's pid and
+/// the time.
+fn segment_name(kind: &str, comm_id: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "/hcomm-{kind}{:x}-{}-{nanos:x}",
+        hash64(comm_id) & 0xffff_ffff,
+        std::process::id()
+    )
+}
+
+/// Create (rank 0) or attach (others) the communicator's shared-memory segment
+/// ([`share_segment`]). Any failure means TCP for everyone (unless `HCOMM_TRANSPORT=shm`).
 fn setup_shm(
     store: &mut StoreClient,
     comm_id: &str,
@@ -1716,108 +1813,63 @@ fn setup_shm(
     timeout: Duration,
 ) -> Result<Option<crate::shm::ShmGroup>> {
     use crate::shm::{chunk_from_env, Layout, ShmGroup};
-    let deadline = Instant::now() + timeout;
-    let left = || deadline.saturating_duration_since(Instant::now());
     let serr =
         |e: crate::bootstrap::store::StoreError| Error::Config(format!("shared memory setup: {e}"));
-    let key = format!("{comm_id}/shm");
-    let votes = format!("{comm_id}/shm/attached");
-    let verdict_key = format!("{comm_id}/shm/ok");
     let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
-    let group = if rank == 0 {
-        let layout = Layout {
-            size,
-            chunk: chunk_from_env(),
-        };
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let name = format!(
-            "/hcomm-{:x}-{}-{nanos:x}",
-            hash64(comm_id) & 0xffff_ffff,
-            std::process::id()
-        );
-        match ShmGroup::create(&name, layout, 0, policy, abort) {
-            Ok(g) => {
-                // Whatever happens below (store errors included), the name is unlinked.
-                let votes_in = (|| -> Result<bool> {
-                    store
-                        .set(&key, format!("{name} {}", layout.chunk).as_bytes())
-                        .map_err(serr)?;
-                    // Every rank votes: 1 = attached, 1000 = failed.
-                    loop {
-                        let v = store.add(&votes, 0).map_err(serr)?;
-                        if v % 1000 + v / 1000 >= size as i64 - 1 {
-                            return Ok(v / 1000 == 0);
-                        }
-                        if left().is_zero() {
-                            return Ok(false);
-                        }
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
-                })();
-                let _ = g.unlink();
-                let ok = votes_in?;
-                store
-                    .set(&verdict_key, if ok { b"1" } else { b"0" })
-                    .map_err(serr)?;
-                ok.then_some(g)
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "cannot create shared memory {name} ({} bytes): {e}; using TCP within the host",
-                    layout.bytes()
-                );
-                store
-                    .set(&key, format!("none {e}").as_bytes())
-                    .map_err(serr)?;
-                store.set(&verdict_key, b"0").map_err(serr)?;
-                if strict {
-                    return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory: {e} (check /dev/shm with `hcomm doctor`)")));
+    let shared = share_segment(
+        store,
+        &format!("{comm_id}/shm"),
+        rank == 0,
+        size - 1,
+        Instant::now() + timeout,
+        &serr,
+        || {
+            let layout = Layout {
+                size,
+                chunk: chunk_from_env(),
+            };
+            let name = segment_name("", comm_id);
+            match ShmGroup::create(&name, layout, 0, policy, abort.clone()) {
+                Ok(g) => Ok((g, format!("{name} {}", layout.chunk))),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot create shared memory {name} ({} bytes): {e}; using TCP within the host",
+                        layout.bytes()
+                    );
+                    Err(e)
                 }
-                None
             }
-        }
-    } else {
-        let v = store.get(&key, left()).map_err(serr)?;
-        let v = String::from_utf8_lossy(&v).into_owned();
-        let mut it = v.splitn(2, ' ');
-        let name = it.next().unwrap_or("");
-        let rest = it.next().unwrap_or("");
-        let attached = if name == "none" {
-            None
-        } else {
+        },
+        |name, rest| {
             let chunk: usize = rest
                 .trim()
                 .parse()
-                .map_err(|_| Error::Config(format!("bad shared memory record '{v}'")))?;
-            match ShmGroup::attach(name, Layout { size, chunk }, rank, policy, abort) {
-                Ok(g) => Some(g),
+                .map_err(|_| Error::Config(format!("bad shared memory record '{name} {rest}'")))?;
+            match ShmGroup::attach(name, Layout { size, chunk }, rank, policy, abort.clone()) {
+                Ok(g) => Ok(Some(g)),
                 Err(e) => {
                     tracing::warn!(
                         "cannot attach shared memory {name}: {e}; using TCP within the host"
                     );
-                    None
+                    Ok(None)
                 }
             }
-        };
-        if name != "none" {
-            store
-                .add(&votes, if attached.is_some() { 1 } else { 1000 })
-                .map_err(serr)?;
+        },
+        |g| {
+            let _ = g.unlink();
+        },
+    )?;
+    let group = match shared {
+        Shared::Ready(g) => Some(g),
+        Shared::NotCreated(e) if strict && rank == 0 => {
+            return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory: {e} (check /dev/shm with `hcomm doctor`)")));
         }
-        let verdict = store.get(&verdict_key, left()).map_err(serr)?;
-        if verdict == b"1" {
-            attached
-        } else {
-            if strict {
-                return Err(Error::Config(
-                    "HCOMM_TRANSPORT=shm: a rank could not map the shared memory".into(),
-                ));
-            }
-            None
+        _ if strict => {
+            return Err(Error::Config(
+                "HCOMM_TRANSPORT=shm: a rank could not map the shared memory".into(),
+            ));
         }
+        _ => None,
     };
     if let Some(g) = &group {
         tracing::info!(
@@ -1830,9 +1882,8 @@ fn setup_shm(
 }
 
 /// Create (the host's lowest rank) or attach (the others) the segment of this host's
-/// point-to-point rings, agree through the store that every local rank has it, then unlink
-/// its name (as [`setup_shm`]). `local` lists the ranks on this host, in order. Any failure
-/// means TCP for point-to-point within the host (unless `HCOMM_TRANSPORT=shm`).
+/// point-to-point rings ([`share_segment`]). `local` lists the ranks on this host, in order.
+/// Any failure means TCP for point-to-point within the host (unless `HCOMM_TRANSPORT=shm`).
 fn setup_p2p_shm(
     store: &mut StoreClient,
     comm_id: &str,
@@ -1841,116 +1892,69 @@ fn setup_p2p_shm(
     timeout: Duration,
 ) -> Result<Option<crate::shm::p2p::P2pShm>> {
     use crate::shm::p2p::{ring_bytes_for, P2pLayout, P2pShm};
-    let deadline = Instant::now() + timeout;
-    let left = || deadline.saturating_duration_since(Instant::now());
     let serr = |e: crate::bootstrap::store::StoreError| {
         Error::Config(format!("shared memory (point-to-point) setup: {e}"))
     };
     let leader = local[0];
     let me = local.iter().position(|&r| r == rank).expect("a local rank");
-    let key = format!("{comm_id}/p2p/{leader}");
-    let votes = format!("{comm_id}/p2p/{leader}/attached");
-    let verdict_key = format!("{comm_id}/p2p/{leader}/ok");
     let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
     let ranks = local.len();
-    let shm = if rank == leader {
-        let ring = ring_bytes_for(ranks);
-        let layout = P2pLayout { ranks, ring };
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let name = format!(
-            "/hcomm-p2p-{:x}-{}-{nanos:x}",
-            hash64(comm_id) & 0xffff_ffff,
-            std::process::id()
-        );
-        let created = if ring == 0 {
-            Err(std::io::Error::other("HCOMM_SHM_P2P_BYTES=0"))
-        } else {
-            P2pShm::create(&name, layout, me)
-        };
-        match created {
-            Ok(s) => {
-                // Whatever happens below (store errors included), the name is unlinked.
-                let votes_in = (|| -> Result<bool> {
-                    store
-                        .set(&key, format!("{name} {ring}").as_bytes())
-                        .map_err(serr)?;
-                    // Every other local rank votes: 1 = attached, 1000 = failed.
-                    loop {
-                        let v = store.add(&votes, 0).map_err(serr)?;
-                        if v % 1000 + v / 1000 >= ranks as i64 - 1 {
-                            return Ok(v / 1000 == 0);
-                        }
-                        if left().is_zero() {
-                            return Ok(false);
-                        }
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
-                })();
-                let _ = s.unlink();
-                let ok = votes_in?;
-                store
-                    .set(&verdict_key, if ok { b"1" } else { b"0" })
-                    .map_err(serr)?;
-                ok.then_some(s)
+    let ring = ring_bytes_for(ranks);
+    let shared = share_segment(
+        store,
+        &format!("{comm_id}/p2p/{leader}"),
+        rank == leader,
+        ranks - 1,
+        Instant::now() + timeout,
+        &serr,
+        || {
+            if ring == 0 {
+                return Err(std::io::Error::other("HCOMM_SHM_P2P_BYTES=0"));
             }
-            Err(e) => {
-                if ring != 0 {
+            let layout = P2pLayout { ranks, ring };
+            let name = segment_name("p2p-", comm_id);
+            match P2pShm::create(&name, layout, me) {
+                Ok(s) => Ok((s, format!("{name} {ring}"))),
+                Err(e) => {
                     tracing::warn!(
                         "cannot create shared memory {name} ({} bytes): {e}; point-to-point uses TCP within the host",
                         layout.bytes()
                     );
+                    Err(e)
                 }
-                store
-                    .set(&key, format!("none {e}").as_bytes())
-                    .map_err(serr)?;
-                store.set(&verdict_key, b"0").map_err(serr)?;
-                if strict && ring != 0 {
-                    return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory for point-to-point: {e} (check /dev/shm with `hcomm doctor`)")));
-                }
-                None
             }
-        }
-    } else {
-        let v = store.get(&key, left()).map_err(serr)?;
-        let v = String::from_utf8_lossy(&v).into_owned();
-        let (name, rest) = v.split_once(' ').unwrap_or((v.as_str(), ""));
-        let attached = if name == "none" {
-            None
-        } else {
+        },
+        |name, rest| {
             let ring: usize = rest
                 .trim()
                 .parse()
-                .map_err(|_| Error::Config(format!("bad shared memory record '{v}'")))?;
+                .map_err(|_| Error::Config(format!("bad shared memory record '{name} {rest}'")))?;
             match P2pShm::attach(name, P2pLayout { ranks, ring }, me) {
-                Ok(s) => Some(s),
+                Ok(s) => Ok(Some(s)),
                 Err(e) => {
                     tracing::warn!(
                         "cannot attach shared memory {name}: {e}; point-to-point uses TCP within the host"
                     );
-                    None
+                    Ok(None)
                 }
             }
-        };
-        if name != "none" {
-            store
-                .add(&votes, if attached.is_some() { 1 } else { 1000 })
-                .map_err(serr)?;
+        },
+        |s| {
+            let _ = s.unlink();
+        },
+    )?;
+    let shm = match shared {
+        Shared::Ready(s) => Some(s),
+        // Turned off (HCOMM_SHM_P2P_BYTES=0) is not a failure.
+        Shared::NotCreated(e) if strict && rank == leader && ring != 0 => {
+            return Err(Error::Config(format!("HCOMM_TRANSPORT=shm: cannot create shared memory for point-to-point: {e} (check /dev/shm with `hcomm doctor`)")));
         }
-        let verdict = store.get(&verdict_key, left()).map_err(serr)?;
-        if verdict == b"1" {
-            attached
-        } else {
-            if strict && name != "none" {
-                return Err(Error::Config(
-                    "HCOMM_TRANSPORT=shm: a rank could not map the point-to-point shared memory"
-                        .into(),
-                ));
-            }
-            None
+        Shared::NotEverywhere if strict => {
+            return Err(Error::Config(
+                "HCOMM_TRANSPORT=shm: a rank could not map the point-to-point shared memory".into(),
+            ));
         }
+        _ => None,
     };
     if let Some(s) = &shm {
         tracing::info!(
