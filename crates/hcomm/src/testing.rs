@@ -419,3 +419,15 @@ pub fn run_case(comm: &Communicator, case: &Case) -> Result<Option<String>> {
     };
     Ok(diff)
 }
+
+/// True if `e` names rank `r` as the cause of a failure: `r` closed its link, was among the
+/// ranks a timeout waited for, or another rank reported it as the culprit.
+pub fn names_rank(e: &crate::Error, r: usize) -> bool {
+    use crate::Error;
+    match e {
+        Error::PeerClosed { peer, .. } => *peer == r,
+        Error::Timeout { peers, .. } => peers.contains(&r),
+        Error::Remote { culprit, .. } => *culprit == Some(r),
+        _ => false,
+    }
+}

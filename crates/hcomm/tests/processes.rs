@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_all_ok, is_worker, spawn, wait_all};
+use common::{assert_all_ok, is_worker, rank_env, spawn, wait_all};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -227,6 +227,15 @@ fn blame(err: &Error) -> String {
 }
 
 /// True if the survivor's line names rank `r` as the cause.
+/// The `SURVIVOR` line of a rank that exited cleanly (`what` names it; the test fails
+/// otherwise).
+fn survivor_line<'a>(what: &str, code: Option<i32>, out: &'a str) -> &'a str {
+    assert_eq!(code, Some(0), "{what}:\n{out}");
+    out.lines()
+        .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
+        .unwrap_or_else(|| panic!("{what}:\n{out}"))
+}
+
 fn names(line: &str, r: usize) -> bool {
     (r == 0 && line.contains("rank 0, which hosts it, has probably exited"))
         || line.contains(&format!("PeerClosed({r})"))
@@ -265,14 +274,14 @@ fn killed_rank(test: &str, transport: &str) -> Vec<String> {
     let port = free_port();
     let n = 4;
     let kids = spawn(test, n, |r| {
-        vec![
-            ("HCOMM_RANK".into(), r.to_string()),
-            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ("HCOMM_TIMEOUT".into(), "5s".into()),
-            ("HCOMM_TRANSPORT".into(), transport.into()),
+        [
+            rank_env(r, n, port),
+            vec![
+                ("HCOMM_TIMEOUT".into(), "5s".into()),
+                ("HCOMM_TRANSPORT".into(), transport.into()),
+            ],
         ]
+        .concat()
     });
     let rank0 = kids[0].id();
     let res = wait_all(kids, Duration::from_secs(60));
@@ -282,11 +291,7 @@ fn killed_rank(test: &str, transport: &str) -> Vec<String> {
             assert_eq!(*code, None, "rank 1 should have been killed:\n{out}");
             continue;
         }
-        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
-            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        let line = survivor_line(&format!("rank {r}"), *code, out);
         // Every survivor names the dead rank: the ones next to it see it go, and they tell
         // the others (Error::Remote).
         assert!(names(line, 1), "rank {r}: {line}");
@@ -364,15 +369,15 @@ fn stopped_rank(test: &str, transport: &str) -> Vec<String> {
     let port = free_port();
     let n = 4;
     let mut kids = spawn(test, n, |r| {
-        vec![
-            ("HCOMM_RANK".into(), r.to_string()),
-            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ("HCOMM_TIMEOUT".into(), "3s".into()),
-            ("HCOMM_TRANSPORT".into(), transport.into()),
-            ("HCOMM_DEBUG".into(), "info".into()),
+        [
+            rank_env(r, n, port),
+            vec![
+                ("HCOMM_TIMEOUT".into(), "3s".into()),
+                ("HCOMM_TRANSPORT".into(), transport.into()),
+                ("HCOMM_DEBUG".into(), "info".into()),
+            ],
         ]
+        .concat()
     });
     let mut stopped = kids.remove(1);
     let start = Instant::now();
@@ -383,11 +388,7 @@ fn stopped_rank(test: &str, transport: &str) -> Vec<String> {
     let mut lines = Vec::new();
     for (i, (code, out)) in res.iter().enumerate() {
         let r = if i == 0 { 0 } else { i + 1 };
-        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
-            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        let line = survivor_line(&format!("rank {r}"), *code, out);
         // Every survivor times out (or is told by one that did) and names a rank it waited
         // for; the blame then passes along the chain of waits, and usually reaches rank 1 (the
         // callers check how far).
@@ -487,14 +488,7 @@ fn shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappin
     let kids = spawn(
         "shared_memory_between_processes_is_zero_copy_and_outlives_its_owner_in_mappings_only",
         2,
-        |r| {
-            vec![
-                ("HCOMM_RANK".into(), r.to_string()),
-                ("HCOMM_WORLD_SIZE".into(), "2".into()),
-                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ]
-        },
+        |r| rank_env(r, 2, port),
     );
     // Segments of this job carry rank 0's pid (other tests running meanwhile make their own).
     let rank0 = format!("-{}-", kids[0].id());
@@ -575,16 +569,16 @@ fn killing_each_rank_during_each_collective_fails_every_survivor_naming_it() {
                 .map(|victim| {
                     let port = free_port();
                     let kids = spawn(TEST, n, |r| {
-                        vec![
-                            ("HCOMM_RANK".into(), r.to_string()),
-                            ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-                            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-                            ("HCOMM_MASTER_PORT".into(), port.to_string()),
-                            ("HCOMM_TIMEOUT".into(), "5s".into()),
-                            ("HCOMM_TRANSPORT".into(), transport.into()),
-                            ("HCOMM_TEST_COLL".into(), coll.name().into()),
-                            ("HCOMM_TEST_VICTIM".into(), victim.to_string()),
+                        [
+                            rank_env(r, n, port),
+                            vec![
+                                ("HCOMM_TIMEOUT".into(), "5s".into()),
+                                ("HCOMM_TRANSPORT".into(), transport.into()),
+                                ("HCOMM_TEST_COLL".into(), coll.name().into()),
+                                ("HCOMM_TEST_VICTIM".into(), victim.to_string()),
+                            ],
                         ]
+                        .concat()
                     });
                     let rank0 = kids[0].id();
                     (victim, kids, rank0)
@@ -599,11 +593,7 @@ fn killing_each_rank_during_each_collective_fails_every_survivor_naming_it() {
                         assert_eq!(*code, None, "{what}: the victim should be killed:\n{out}");
                         continue;
                     }
-                    assert_eq!(*code, Some(0), "{what}: rank {r}:\n{out}");
-                    let line = out
-                        .lines()
-                        .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
-                        .unwrap_or_else(|| panic!("{what}: rank {r}:\n{out}"));
+                    let line = survivor_line(&format!("{what}: rank {r}"), *code, out);
                     survivors += 1;
                     if names(line, victim) {
                         named += 1;
@@ -687,14 +677,7 @@ fn a_killed_peer_fails_point_to_point_over_shared_memory() {
     let kids = spawn(
         "a_killed_peer_fails_point_to_point_over_shared_memory",
         n,
-        |r| {
-            vec![
-                ("HCOMM_RANK".into(), r.to_string()),
-                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ]
-        },
+        |r| rank_env(r, n, port),
     );
     let rank0 = kids[0].id();
     let res = wait_all(kids, Duration::from_secs(60));
@@ -703,11 +686,7 @@ fn a_killed_peer_fails_point_to_point_over_shared_memory() {
             assert_eq!(*code, None, "rank 1 should have been killed:\n{out}");
             continue;
         }
-        assert_eq!(*code, Some(0), "rank {r}:\n{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.split_once("SURVIVOR").map(|x| x.1))
-            .unwrap_or_else(|| panic!("rank {r}:\n{out}"));
+        let line = survivor_line(&format!("rank {r}"), *code, out);
         // It sees rank 1 go, or is told by the other survivor, which did.
         assert!(names(line, 1), "rank {r}: {line}");
         let secs: f64 = line
@@ -786,13 +765,11 @@ fn point_to_point_works_through_a_4_kib_ring() {
     }
     let port = free_port();
     let kids = spawn("point_to_point_works_through_a_4_kib_ring", 2, |r| {
-        vec![
-            ("HCOMM_RANK".into(), r.to_string()),
-            ("HCOMM_WORLD_SIZE".into(), "2".into()),
-            ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ("HCOMM_SHM_P2P_BYTES".into(), "4096".into()),
+        [
+            rank_env(r, 2, port),
+            vec![("HCOMM_SHM_P2P_BYTES".into(), "4096".into())],
         ]
+        .concat()
     });
     assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
 }
@@ -839,14 +816,7 @@ fn a_departed_peer_does_not_fail_point_to_point_between_others() {
     let kids = spawn(
         "a_departed_peer_does_not_fail_point_to_point_between_others",
         n,
-        |r| {
-            vec![
-                ("HCOMM_RANK".into(), r.to_string()),
-                ("HCOMM_WORLD_SIZE".into(), n.to_string()),
-                ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("HCOMM_MASTER_PORT".into(), port.to_string()),
-            ]
-        },
+        |r| rank_env(r, n, port),
     );
     assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
 }

@@ -43,6 +43,16 @@ pub fn is_worker() -> bool {
     std::env::var_os("HCOMM_TEST_WORKER").is_some()
 }
 
+/// The environment of rank `r` of an `n`-rank job on this host whose store is on `port`.
+pub fn rank_env(r: usize, n: usize, port: u16) -> Vec<(String, String)> {
+    vec![
+        ("HCOMM_RANK".into(), r.to_string()),
+        ("HCOMM_WORLD_SIZE".into(), n.to_string()),
+        ("HCOMM_MASTER_ADDR".into(), "127.0.0.1".into()),
+        ("HCOMM_MASTER_PORT".into(), port.to_string()),
+    ]
+}
+
 /// Start `n` copies of this test binary running only `test`, rank `r` with `env(r)`.
 pub fn spawn(test: &str, n: usize, env: impl Fn(usize) -> Vec<(String, String)>) -> Vec<Child> {
     (0..n)
