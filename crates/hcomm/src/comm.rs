@@ -558,6 +558,7 @@ impl Communicator {
             addr,
             host_id: host_id.clone(),
             nsocks,
+            transport: transport.to_string(),
         };
         let peers = bootstrap::exchange_peer_info(&mut store, &comm_id, rank, size, &me, timeout)?;
         // Both ends of a link must cut large frames into the same stripes.
@@ -566,6 +567,19 @@ impl Communicator {
                 "HCOMM_NSOCKS differs between ranks: rank {r} uses {}, this rank ({rank}) {nsocks}; \
                  set the same value for every rank",
                 p.nsocks
+            )));
+        }
+        // Ranks that skip shared memory would leave the others waiting in its setup.
+        let tcp_only = transport == TransportKind::Tcp;
+        if let Some((r, p)) = peers
+            .iter()
+            .enumerate()
+            .find(|(_, p)| (p.transport == "tcp") != tcp_only)
+        {
+            return Err(Error::Config(format!(
+                "HCOMM_TRANSPORT differs between ranks: rank {r} uses {}, this rank ({rank}) {transport}; \
+                 set tcp for every rank or for none",
+                p.transport
             )));
         }
         let hosts: Vec<String> = peers.iter().map(|p| p.host_id.clone()).collect();

@@ -1035,3 +1035,28 @@ fn four_ranks_exchange_over_shared_memory_without_deadlock() {
         Ok(())
     }));
 }
+
+#[test]
+fn ranks_that_disagree_on_tcp_only_fail_at_once_naming_the_variable() {
+    // Rank 1 skips shared memory (HCOMM_TRANSPORT=tcp), the others would set it up and wait
+    // for rank 1's vote until the bootstrap deadline: every rank fails at once instead.
+    let res = hcomm::testing::run_threads_configured(
+        3,
+        Duration::from_secs(30),
+        |cfg| hcomm::BootstrapConfig {
+            transport: if cfg.rank == 1 {
+                TransportKind::Tcp
+            } else {
+                TransportKind::Auto
+            },
+            ..cfg
+        },
+        |c| c.barrier(),
+    );
+    for (rank, r) in res.into_iter().enumerate() {
+        let e = r
+            .expect_err("ranks that disagree on HCOMM_TRANSPORT=tcp must not run")
+            .to_string();
+        assert!(e.contains("HCOMM_TRANSPORT differs"), "rank {rank}: {e}");
+    }
+}

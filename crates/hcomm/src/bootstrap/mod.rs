@@ -19,10 +19,18 @@ pub struct PeerInfo {
     /// Data sockets per pair of ranks (`HCOMM_NSOCKS`); must be the same on every rank.
     #[serde(default = "one")]
     pub nsocks: usize,
+    /// `HCOMM_TRANSPORT` (`auto`, `tcp`, `shm`): ranks that skip shared memory (`tcp`) and
+    /// ranks that set it up must not meet in one job (the latter would wait for the former).
+    #[serde(default = "auto")]
+    pub transport: String,
 }
 
 fn one() -> usize {
     1
+}
+
+fn auto() -> String {
+    "auto".into()
 }
 
 /// This machine's identity: `HCOMM_HOST_ID`, else hostname + boot id.
