@@ -467,12 +467,27 @@ impl Communicator {
         if buf.is_empty() {
             return Ok(());
         }
-        if state.error_feedback && !state.residual.is_empty() {
-            buf.iter_mut()
-                .zip(&state.residual)
-                .for_each(|(x, r)| *x += r);
-        }
         let ef = state.error_feedback;
+        // Sparsifiers keep their input as the next residual (minus what they send): one pass
+        // adds the residual and keeps the sum.
+        let keeps_input = matches!(
+            state.compressor,
+            Compressor::TopK(_) | Compressor::RandomK { .. }
+        );
+        if ef && !state.residual.is_empty() {
+            if keeps_input {
+                buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
+                    *x += *r;
+                    *r = *x;
+                });
+            } else {
+                buf.iter_mut()
+                    .zip(&state.residual)
+                    .for_each(|(x, r)| *x += r);
+            }
+        } else if ef && keeps_input {
+            state.residual.copy_from_slice(buf);
+        }
         match state.compressor {
             Compressor::None => return self.all_reduce_in_place(buf, op),
             Compressor::Fp16 | Compressor::Bf16 => {
@@ -510,7 +525,7 @@ impl Communicator {
                 let mut enc = vec![0u8; len];
                 codec.encode(buf, &mut enc)?;
                 if ef {
-                    state.residual.copy_from_slice(buf);
+                    // (the residual holds the input already)
                     for i in TopK::indices(&enc)? {
                         state.residual[i as usize] = 0.0;
                     }
@@ -521,6 +536,21 @@ impl Communicator {
                 for part in all.chunks(len.max(1)) {
                     codec.decode_add(part, buf)?;
                 }
+                if op == ReduceOp::Mean {
+                    // Only the kept elements are non-zero: divide those, each once.
+                    let mut touched: Vec<u32> = all
+                        .chunks(len.max(1))
+                        .map(TopK::indices)
+                        .collect::<Result<Vec<_>>>()?
+                        .concat();
+                    touched.sort_unstable();
+                    touched.dedup();
+                    let w = self.world_size() as f32;
+                    for i in touched {
+                        buf[i as usize] /= w;
+                    }
+                    return Ok(());
+                }
             }
             Compressor::RandomK { density, seed } => {
                 let k = density.k(buf.len());
@@ -528,7 +558,7 @@ impl Communicator {
                 let mut enc = vec![0u8; codec.encoded_len(buf.len())];
                 codec.encode(buf, &mut enc)?;
                 if ef {
-                    state.residual.copy_from_slice(buf);
+                    // (the residual holds the input already)
                     for &i in codec.indices() {
                         state.residual[i as usize] = 0.0;
                     }
