@@ -8,30 +8,17 @@
 
 use crate::buffer::{buffer, dtype_name, Buf};
 use crate::errors::{blocking, to_pyerr};
-use hcomm::fusion::{Bucket, BucketPlanner, FusionOptions};
+use hcomm::fusion::{
+    reduce_bucket, Bucket, BucketPlanner, BucketState, BucketStates, FusionOptions,
+};
 use hcomm::{Communicator as Comm, CompressionState, DType, ReduceOp};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-
-/// A bucket's identity from step to step: its members (positions in the step) and bytes.
-type StateKey = (Vec<usize>, usize);
-
-/// A stable hash of a bucket's identity, mixed into random-k's seed (the same on every rank;
-/// the same function as the library's fusion).
-fn key_hash(key: &StateKey) -> u64 {
-    key.0
-        .iter()
-        .chain(std::iter::once(&key.1))
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &v| {
-            (h ^ v as u64).wrapping_mul(0x0100_0000_01b3)
-        })
-}
 
 /// What a bucket's job hands back: the packed buffer (None when reduced in place) and the
 /// bucket's compression state.
-type BucketResult = (Option<Vec<u8>>, Option<(StateKey, CompressionState)>);
+type BucketResult = (Option<Vec<u8>>, Option<BucketState>);
 
 struct Pushed {
     buf: Buf,
@@ -57,7 +44,7 @@ pub struct PyFusion {
     /// only; `none` runs the plain all-reduce).
     compression: Option<CompressionState>,
     /// Each bucket's compression state between steps.
-    states: Mutex<HashMap<StateKey, CompressionState>>,
+    states: BucketStates,
 }
 
 impl PyFusion {
@@ -72,7 +59,7 @@ impl PyFusion {
             op,
             opts,
             compression: compression.filter(|s| s.compressor().is_lossy()),
-            states: Mutex::new(HashMap::new()),
+            states: BucketStates::default(),
             step: Mutex::new(Step {
                 planner: BucketPlanner::new(opts),
                 tensors: Vec::new(),
@@ -84,24 +71,12 @@ impl PyFusion {
 
     fn launch(&self, s: &mut Step, bucket: Bucket) {
         let (dtype, op) = (bucket.dtype, self.op);
-        let mut comp = self.compression.as_ref().map(|fresh| {
-            let key: StateKey = (bucket.members.clone(), bucket.bytes);
-            let state = self
-                .states
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key)
-                .unwrap_or_else(|| fresh.clone().with_key(key_hash(&key)));
-            (key, state)
-        });
-        let reduce = move |c: &Comm,
-                           buf: &mut [u8],
-                           comp: &mut Option<(StateKey, CompressionState)>|
-              -> hcomm::Result<()> {
-            match comp {
-                Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
-                None => c.all_reduce_bytes(None, buf, dtype, op),
-            }
+        let mut comp = self
+            .compression
+            .as_ref()
+            .map(|fresh| self.states.take(fresh, &bucket));
+        let reduce = move |c: &Comm, buf: &mut [u8], comp: &mut Option<BucketState>| {
+            reduce_bucket(c, buf, dtype, op, comp)
         };
         let work = if bucket.direct {
             let b = s.tensors[bucket.members[0]].buf;
@@ -218,11 +193,8 @@ impl PyFusion {
             let bufs = &bufs;
             let waited = blocking(py, move || {
                 let (buf, comp) = work.wait()?;
-                if let Some((key, state)) = comp {
-                    states
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(key, state);
+                if let Some(state) = comp {
+                    states.put(state);
                 }
                 if let Some(packed) = buf {
                     let mut off = 0;
@@ -271,19 +243,12 @@ impl PyFusion {
 
     /// Forget every bucket's compression state (residuals), e.g. when the model changes.
     fn reset_compression(&self) {
-        self.states
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.states.clear();
     }
 
     /// (buckets with a compression state kept between steps, bytes their residuals hold).
     fn compression_memory(&self) -> (usize, usize) {
-        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        (
-            states.len(),
-            states.values().map(|s| s.memory_bytes()).sum(),
-        )
+        self.states.memory()
     }
 
     fn __repr__(&self) -> String {

@@ -66,6 +66,17 @@ fn input_of(op: &str, send: Option<Buf>, recv: &Buf) -> PyResult<Option<Buf>> {
     }
 }
 
+/// Input and output of a collective that cannot work in place: they must not overlap and
+/// must have one dtype.
+fn separate(op: &str, s: &Buf, r: &Buf) -> PyResult<()> {
+    if s.overlaps(r) {
+        return Err(PyValueError::new_err(format!(
+            "{op}: the input and output buffers overlap ({op} does not work in place)"
+        )));
+    }
+    same_dtype(op, Some(s), r)
+}
+
 /// A communicator: a group of ranks that run collectives together (see `hcomm.Communicator`
 /// for the documented API; this class is its engine).
 #[pyclass(name = "Communicator", module = "hcomm._hcomm", frozen)]
@@ -362,12 +373,7 @@ impl PyComm {
         const OP: &str = "gather";
         let s = buffer(OP, "tensor", send, false)?;
         let r = opt_buffer(OP, "out", recv, true)?.unwrap_or(Buf::empty(s.dtype));
-        if s.overlaps(&r) {
-            return Err(PyValueError::new_err(
-                "gather: the input and output buffers overlap",
-            ));
-        }
-        same_dtype(OP, Some(&s), &r)?;
+        separate(OP, &s, &r)?;
         let counts = counts.unwrap_or_else(|| vec![s.elements(); self.comm.world_size()]);
         self.dispatch(
             py,
@@ -393,12 +399,7 @@ impl PyComm {
         const OP: &str = "scatter";
         let r = buffer(OP, "out", recv, true)?;
         let s = opt_buffer(OP, "tensor", send, false)?.unwrap_or(Buf::empty(r.dtype));
-        if s.overlaps(&r) {
-            return Err(PyValueError::new_err(
-                "scatter: the input and output buffers overlap",
-            ));
-        }
-        same_dtype(OP, Some(&s), &r)?;
+        separate(OP, &s, &r)?;
         let counts = counts.unwrap_or_else(|| vec![r.elements(); self.comm.world_size()]);
         self.dispatch(
             py,
@@ -425,12 +426,7 @@ impl PyComm {
         let n = self.comm.world_size();
         let s = buffer(OP, "tensor", send, false)?;
         let r = buffer(OP, "out", recv, true)?;
-        if s.overlaps(&r) {
-            return Err(PyValueError::new_err(
-                "all_to_all: the input and output buffers overlap (all-to-all is not in place)",
-            ));
-        }
-        same_dtype(OP, Some(&s), &r)?;
+        separate(OP, &s, &r)?;
         let sc = match send_counts {
             Some(c) => c,
             None => equal_counts(OP, "the input", s.elements(), n)?,

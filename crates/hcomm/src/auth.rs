@@ -463,6 +463,20 @@ pub struct Local {
     pub comm_hash: u64,
 }
 
+impl Local {
+    /// Our hello, with a fresh nonce, encoded.
+    fn hello(&self, auth: bool) -> Result<[u8; HELLO_LEN], HandshakeError> {
+        Ok(Hello {
+            role: self.role,
+            auth,
+            rank: self.rank,
+            comm_hash: self.comm_hash,
+            nonce: nonce()?,
+        }
+        .encode())
+    }
+}
+
 /// Run the connecting side's handshake on `s`: prove knowledge of `token` (if any) and check the
 /// peer's proof; `expect_rank` is the rank the peer must claim, with our communicator hash.
 /// Returns once the peer is authenticated (or, without a token, once its hello checks out).
@@ -474,14 +488,7 @@ pub fn connect<S: HandshakeIo>(
     deadline: Instant,
 ) -> Result<(), HandshakeError> {
     let total = deadline.saturating_duration_since(Instant::now());
-    let mine = Hello {
-        role: me.role,
-        auth: token.is_some(),
-        rank: me.rank,
-        comm_hash: me.comm_hash,
-        nonce: nonce()?,
-    }
-    .encode();
+    let mine = me.hello(token.is_some())?;
     write_all_by(s, &mine, deadline, total)?;
     let mut theirs = [0u8; HELLO_LEN];
     read_exact_by(s, &mut theirs, deadline, total)?;
@@ -547,14 +554,7 @@ pub fn accept<S: HandshakeIo>(
         )));
     }
     check(&hello)?;
-    let mine = Hello {
-        role: me.role,
-        auth: token.is_some(),
-        rank: me.rank,
-        comm_hash: me.comm_hash,
-        nonce: nonce()?,
-    }
-    .encode();
+    let mine = me.hello(token.is_some())?;
     write_all_by(s, &mine, deadline, total)?;
     let token = match (token, hello.auth) {
         (None, false) => return Ok(hello),

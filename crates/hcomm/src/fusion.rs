@@ -301,20 +301,80 @@ pub struct Fusion {
     /// The state a new bucket starts from, when buckets are compressed.
     compression: Option<CompressionState>,
     /// Each bucket's compression state between steps.
-    states: Mutex<HashMap<StateKey, CompressionState>>,
+    states: BucketStates,
 }
 
 /// A bucket's identity from step to step: its members (positions in the step) and bytes.
-type StateKey = (Vec<usize>, usize);
+pub type StateKey = (Vec<usize>, usize);
 
-/// A stable hash of a bucket's identity (mixed into random-k's seed; the same on every rank).
-fn key_hash(key: &StateKey) -> u64 {
+/// A stable hash of a bucket's identity (mixed into random-k's seed; the same on every rank,
+/// and the same in every binding that keys compression states by bucket).
+pub fn key_hash(key: &StateKey) -> u64 {
     key.0
         .iter()
         .chain(std::iter::once(&key.1))
         .fold(0xcbf2_9ce4_8422_2325u64, |h, &v| {
             (h ^ v as u64).wrapping_mul(0x0100_0000_01b3)
         })
+}
+
+/// A bucket's compression state, taken for its all-reduce and put back after it.
+pub type BucketState = (StateKey, CompressionState);
+
+/// Each bucket's compression state (residuals) between steps, keyed by the bucket's identity,
+/// so that a bucket of the same tensors finds its residual again next step.
+#[derive(Debug, Default)]
+pub struct BucketStates(Mutex<HashMap<StateKey, CompressionState>>);
+
+impl BucketStates {
+    /// The state of `bucket`: the one kept from an earlier step, or a copy of `fresh` keyed by
+    /// the bucket.
+    pub fn take(&self, fresh: &CompressionState, bucket: &Bucket) -> BucketState {
+        let key: StateKey = (bucket.members.clone(), bucket.bytes);
+        let state = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key)
+            .unwrap_or_else(|| fresh.clone().with_key(key_hash(&key)));
+        (key, state)
+    }
+
+    /// Keep a bucket's state for the next step.
+    pub fn put(&self, (key, state): BucketState) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, state);
+    }
+
+    /// Forget every state.
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// States kept, and the bytes their residuals hold.
+    pub fn memory(&self) -> (usize, usize) {
+        let states = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            states.len(),
+            states.values().map(|s| s.memory_bytes()).sum(),
+        )
+    }
+}
+
+/// All-reduce one bucket's bytes: compressed with its state when it has one, else plainly.
+pub fn reduce_bucket(
+    c: &Communicator,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    state: &mut Option<BucketState>,
+) -> Result<()> {
+    match state {
+        Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
+        None => c.all_reduce_bytes(None, buf, dtype, op),
+    }
 }
 
 impl Fusion {
@@ -326,7 +386,7 @@ impl Fusion {
             opts,
             pool: BufferPool::new(),
             compression: None,
-            states: Mutex::new(HashMap::new()),
+            states: BucketStates::default(),
         }
     }
 
@@ -351,10 +411,7 @@ impl Fusion {
         }
         self.compression =
             Some(CompressionState::new(compressor)?.with_error_feedback(error_feedback));
-        self.states
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.states.clear();
         Ok(self)
     }
 
@@ -365,20 +422,13 @@ impl Fusion {
 
     /// Forget every bucket's residual (e.g. when the model changes).
     pub fn reset_compression(&self) {
-        self.states
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.states.clear();
     }
 
     /// Buckets with a compression state kept between steps, and the bytes their residuals
     /// hold.
     pub fn compression_memory(&self) -> (usize, usize) {
-        let states = self.states.lock().unwrap_or_else(|p| p.into_inner());
-        (
-            states.len(),
-            states.values().map(|s| s.memory_bytes()).sum(),
-        )
+        self.states.memory()
     }
 
     /// The staging buffers kept between steps.
@@ -430,7 +480,7 @@ impl Fusion {
 
 /// What a bucket's all-reduce hands back: the staging buffer of a packed bucket (returned to
 /// the pool), nothing for a tensor reduced in place; and the bucket's compression state.
-type BucketWork = Work<(Option<Vec<u8>>, Option<(StateKey, CompressionState)>)>;
+type BucketWork = Work<(Option<Vec<u8>>, Option<BucketState>)>;
 
 /// Takes tensors for one [`Fusion::step`] and launches their buckets.
 ///
@@ -492,25 +542,9 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             .compression
             .as_ref()
             .filter(|s| s.compressor().is_lossy());
-        let mut comp = lossy.map(|fresh| {
-            let key: StateKey = (bucket.members.clone(), bucket.bytes);
-            let state = self
-                .fusion
-                .states
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&key)
-                .unwrap_or_else(|| fresh.clone().with_key(key_hash(&key)));
-            (key, state)
-        });
-        let reduce = move |c: &Communicator,
-                           buf: &mut [u8],
-                           comp: &mut Option<(StateKey, CompressionState)>|
-              -> Result<()> {
-            match comp {
-                Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
-                None => c.all_reduce_bytes(None, buf, dtype, op),
-            }
+        let mut comp = lossy.map(|fresh| self.fusion.states.take(fresh, &bucket));
+        let reduce = move |c: &Communicator, buf: &mut [u8], comp: &mut Option<BucketState>| {
+            reduce_bucket(c, buf, dtype, op, comp)
         };
         let work = if bucket.direct {
             let t = self.tensors[bucket.members[0]]
@@ -548,12 +582,8 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
         let mut first_err = None;
         while let Some((bucket, work)) = self.in_flight.pop_front() {
             let result = work.wait().map(|(buf, comp)| {
-                if let Some((key, state)) = comp {
-                    self.fusion
-                        .states
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(key, state);
+                if let Some(state) = comp {
+                    self.fusion.states.put(state);
                 }
                 buf
             });
