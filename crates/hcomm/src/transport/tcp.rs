@@ -44,7 +44,7 @@ use crate::error::{Error, OpContext, Result};
 use crate::reduce::{reduce_into, Order};
 use crate::shm::p2p::{P2pShm, ShmPipe};
 use crate::transport::frame::{Header, Kind, HEADER_LEN};
-use crate::transport::wait::{Spinner, WaitPolicy};
+use crate::transport::wait::{Spinner, WaitHistory, WaitPolicy};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::VecDeque;
@@ -926,6 +926,8 @@ pub struct TcpLinks {
     /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
     asked_at: Vec<Option<Instant>>,
     policy: WaitPolicy,
+    /// How long recent waits lasted: spin only while that pays.
+    waits: WaitHistory,
     /// Reused staging buffers for reducing receives.
     staging_pool: Vec<Vec<u64>>,
     /// Set by `Communicator::abort`: every wait gives up.
@@ -1017,6 +1019,7 @@ impl TcpLinks {
             asking: (0..n).map(|_| None).collect(),
             asked_at: vec![None; n],
             policy,
+            waits: WaitHistory::default(),
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
             next_id: 0,
@@ -1496,7 +1499,7 @@ impl TcpLinks {
         deadline: Instant,
         any: bool,
     ) -> Result<()> {
-        let mut spinner = Spinner::new(self.policy);
+        let mut spinner = Spinner::adaptive(self.policy, &self.waits);
         let mut woke = false;
         loop {
             let mut progress = false;
@@ -1585,10 +1588,12 @@ impl TcpLinks {
             }
             woke = false;
             if progress {
-                spinner.reset();
+                if let Some(idle) = spinner.reset() {
+                    self.waits.record(idle, self.policy);
+                }
             } else if spinner.idle() {
                 self.block(ctx, sends, recvs, deadline)?;
-                spinner.reset();
+                spinner.woke();
                 woke = true;
             }
         }

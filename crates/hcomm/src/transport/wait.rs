@@ -32,10 +32,49 @@ impl WaitPolicy {
     }
 }
 
+/// How long a transport's recent waits lasted, so that it spins only while spinning pays:
+/// when data has been arriving long after the spin window ran out (a stream over a slow
+/// link, where every chunk is hundreds of microseconds apart), each spin is wasted CPU, and
+/// on a host whose cores also compute, that CPU is taken from the computation. A moving
+/// average of the idle spells (from the first idle poll to the next progress) decides: spin
+/// while it is under [`SPIN_PAYS_FACTOR`] times the spin window, else block at once. Blocked
+/// waits keep being measured, so quick replies bring spinning back within a few waits.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WaitHistory {
+    /// Exponentially weighted mean of the idle spells, in microseconds (weight 1/8).
+    mean_us: u64,
+}
+
+/// Spinning stops while the mean idle spell exceeds this many spin windows.
+pub const SPIN_PAYS_FACTOR: u64 = 4;
+
+impl WaitHistory {
+    /// Record one idle spell of a wait under `policy`. A spell counts at most four times the
+    /// limit of [`spinning_pays`](Self::spinning_pays), so that one long wait (for a peer
+    /// still starting, say) stops spinning for about ten waits, not for thousands.
+    pub fn record(&mut self, idle: Duration, policy: WaitPolicy) {
+        let cap = Self::limit_us(policy).saturating_mul(4);
+        let us = u64::try_from(idle.as_micros()).unwrap_or(u64::MAX).min(cap);
+        self.mean_us = (self.mean_us * 7 + us) / 8;
+    }
+
+    /// Whether a wait under `policy` should spin first.
+    pub fn spinning_pays(&self, policy: WaitPolicy) -> bool {
+        self.mean_us <= Self::limit_us(policy)
+    }
+
+    fn limit_us(policy: WaitPolicy) -> u64 {
+        u64::try_from(policy.spin.as_micros())
+            .unwrap_or(u64::MAX)
+            .saturating_mul(SPIN_PAYS_FACTOR)
+    }
+}
+
 /// A spin-then-block helper for one wait.
 pub struct Spinner {
     policy: WaitPolicy,
-    idle_since: Option<Instant>,
+    /// The first idle poll of the current idle spell, and the latest clock reading in it.
+    idle_since: Option<(Instant, Instant)>,
 }
 
 impl Spinner {
@@ -47,17 +86,39 @@ impl Spinner {
         }
     }
 
-    /// Progress was made: restart the spin window.
-    pub fn reset(&mut self) {
-        self.idle_since = None;
+    /// Start waiting, spinning only if `recent` waits say it pays (see [`WaitHistory`]).
+    pub fn adaptive(policy: WaitPolicy, recent: &WaitHistory) -> Spinner {
+        let spin = if recent.spinning_pays(policy) {
+            policy.spin
+        } else {
+            Duration::ZERO
+        };
+        Spinner::new(WaitPolicy { spin, ..policy })
+    }
+
+    /// Progress was made: restart the spin window. Returns how long the wait had been idle, to
+    /// the last idle poll or wake-up (None if it had not been idle); reads no clock, so that
+    /// a quick exchange pays nothing for the bookkeeping.
+    pub fn reset(&mut self) -> Option<Duration> {
+        self.idle_since
+            .take()
+            .map(|(since, seen)| seen.duration_since(since))
+    }
+
+    /// The caller blocked in the kernel and woke up (the idle spell goes on).
+    pub fn woke(&mut self) {
+        if let Some((_, seen)) = &mut self.idle_since {
+            *seen = Instant::now();
+        }
     }
 
     /// No progress. Returns `true` if the caller should block in the kernel now, `false` if it
     /// has spun or yielded and should poll again.
     pub fn idle(&mut self) -> bool {
         let now = Instant::now();
-        let since = *self.idle_since.get_or_insert(now);
-        if now.duration_since(since) >= self.policy.spin {
+        let (since, seen) = self.idle_since.get_or_insert((now, now));
+        *seen = now;
+        if now.duration_since(*since) >= self.policy.spin {
             return true;
         }
         if self.policy.yield_cpu {
@@ -70,5 +131,57 @@ impl Spinner {
             }
         }
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(us: u64) -> WaitPolicy {
+        WaitPolicy {
+            spin: Duration::from_micros(us),
+            yield_cpu: false,
+        }
+    }
+
+    #[test]
+    fn spinning_stops_after_long_waits_and_comes_back_after_short_ones() {
+        let p = policy(50);
+        let mut h = WaitHistory::default();
+        assert!(h.spinning_pays(p), "a fresh transport spins");
+        for _ in 0..20 {
+            h.record(Duration::from_micros(500), p); // a stream over a slow link
+        }
+        assert!(!h.spinning_pays(p));
+        let mut s = Spinner::adaptive(p, &h);
+        assert!(s.idle(), "blocks at the first idle poll");
+        for _ in 0..20 {
+            h.record(Duration::from_micros(20), p); // quick replies again
+        }
+        assert!(h.spinning_pays(p));
+        // one very long wait (a peer starting up) among quick ones does not stop spinning,
+        // and after a run of them spinning comes back within a dozen quick waits
+        h.record(Duration::from_secs(5), p);
+        assert!(h.spinning_pays(p));
+        for _ in 0..10 {
+            h.record(Duration::from_secs(5), p);
+        }
+        assert!(!h.spinning_pays(p));
+        for _ in 0..12 {
+            h.record(Duration::from_micros(20), p);
+        }
+        assert!(h.spinning_pays(p));
+        let mut s = Spinner::adaptive(p, &h);
+        assert!(!s.idle(), "spins at the first idle poll");
+        assert!(s.reset().is_some() && s.reset().is_none());
+        // a blocked spell counts to the wake-up
+        let mut s = Spinner::adaptive(policy(0), &WaitHistory::default());
+        assert!(s.idle());
+        std::thread::sleep(Duration::from_millis(2));
+        s.woke();
+        assert!(s.reset().unwrap() >= Duration::from_millis(2));
+        // a spin window of zero never spins, whatever the history
+        assert!(Spinner::adaptive(policy(0), &WaitHistory::default()).idle());
     }
 }
