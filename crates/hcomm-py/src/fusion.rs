@@ -70,13 +70,13 @@ impl PyFusion {
     }
 
     fn launch(&self, s: &mut Step, bucket: Bucket) {
-        let (dtype, op) = (bucket.dtype, self.op);
+        let (dtype, op, skip_zeros) = (bucket.dtype, self.op, self.opts.skip_zero_blocks);
         let mut comp = self
             .compression
             .as_ref()
             .map(|fresh| self.states.take(fresh, &bucket));
         let reduce = move |c: &Comm, buf: &mut [u8], comp: &mut Option<BucketState>| {
-            reduce_bucket(c, buf, dtype, op, comp)
+            reduce_bucket(c, buf, dtype, op, comp, skip_zeros)
         };
         let work = if bucket.direct {
             let b = s.tensors[bucket.members[0]].buf;
@@ -160,10 +160,12 @@ impl PyFusion {
     /// start a new step. Returns the number of buckets of the step. Raises the first error
     /// (after waiting for every bucket).
     ///
-    /// With `ready`, call `ready(positions)` (the step positions, in push order, of the
-    /// bucket's tensors) as soon as each bucket's results are in its tensors, in launch order,
-    /// while later buckets may still be in flight. An exception from `ready` stops the calls;
-    /// the remaining buckets are still waited for, then it is raised.
+    /// With `ready`, call `ready(positions)` (step positions of tensors whose results are in,
+    /// in launch order) as buckets arrive, while later buckets may still be in flight: each
+    /// call covers the bucket just waited for and every following bucket that had already
+    /// arrived by then, so a step whose buckets have all arrived makes one call. An exception
+    /// from `ready` stops the calls; the remaining buckets are still waited for, then it is
+    /// raised.
     #[pyo3(signature = (ready = None))]
     fn finish(&self, py: Python<'_>, ready: Option<Bound<'_, PyAny>>) -> PyResult<usize> {
         self.flush();
@@ -189,35 +191,45 @@ impl PyFusion {
         let states = &self.states;
         let mut first_err: Option<PyErr> = None;
         let mut ready = ready;
-        for (bucket, work) in in_flight {
-            let bufs = &bufs;
-            let waited = blocking(py, move || {
-                let (buf, comp) = work.wait()?;
-                if let Some(state) = comp {
-                    states.put(state);
-                }
-                if let Some(packed) = buf {
-                    let mut off = 0;
-                    for &i in &bucket.members {
-                        // SAFETY: the tensor is alive (`tensors` is dropped after every
-                        // bucket has been waited for) and its job has finished.
-                        let t = unsafe { bufs[i].bytes_mut() };
-                        t.copy_from_slice(&packed[off..off + t.len()]);
-                        off += t.len();
+        let mut in_flight = in_flight.into_iter().peekable();
+        while let Some(next) = in_flight.next() {
+            // This bucket (waited for), then every following one that has already arrived:
+            // one callback for all of them, so a caller that steps an optimizer per call
+            // pays its per-call cost once for what arrived while it was busy.
+            let mut group = vec![next];
+            while let Some(more) = in_flight.next_if(|(_, w)| w.is_completed()) {
+                group.push(more);
+            }
+            let mut arrived = Vec::new();
+            for (bucket, work) in group {
+                let bufs = &bufs;
+                let waited = blocking(py, move || {
+                    let (buf, comp) = work.wait()?;
+                    if let Some(state) = comp {
+                        states.put(state);
                     }
-                }
-                Ok(bucket.members)
-            });
-            match waited {
-                Ok(members) => {
-                    if let Some(f) = &ready {
-                        if let Err(e) = f.call1((members,)) {
-                            first_err.get_or_insert(e);
-                            ready = None;
+                    if let Some(packed) = buf {
+                        let mut off = 0;
+                        for &i in &bucket.members {
+                            // SAFETY: the tensor is alive (`tensors` is dropped after every
+                            // bucket has been waited for) and its job has finished.
+                            let t = unsafe { bufs[i].bytes_mut() };
+                            t.copy_from_slice(&packed[off..off + t.len()]);
+                            off += t.len();
                         }
                     }
+                    Ok(bucket.members)
+                });
+                match waited {
+                    Ok(members) => arrived.extend(members),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        ready = None;
+                    }
                 }
-                Err(e) => {
+            }
+            if let Some(f) = &ready {
+                if let Err(e) = f.call1((arrived,)) {
                     first_err.get_or_insert(e);
                     ready = None;
                 }

@@ -530,7 +530,9 @@ impl PyComm {
     /// compressor string), every bucket is all-reduced compressed, each keeping its own
     /// compression state (with error feedback unless `error_feedback` is false) from step to
     /// step; `op` must then be sum or mean, and lossy compressors take float32 tensors only.
-    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20, compressor = None, error_feedback = true))]
+    /// With `skip_zeros`, uncompressed buckets skip their zero blocks (lossless; see
+    /// `FusionOptions::skip_zero_blocks`).
+    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20, compressor = None, error_feedback = true, skip_zeros = false))]
     #[allow(clippy::too_many_arguments)]
     fn fusion(
         &self,
@@ -541,11 +543,13 @@ impl PyComm {
         direct_bytes: usize,
         compressor: Option<&str>,
         error_feedback: bool,
+        skip_zeros: bool,
     ) -> PyResult<PyFusion> {
         let opts = FusionOptions {
             cap_bytes,
             first_bucket_bytes,
             direct_bytes,
+            skip_zero_blocks: skip_zeros,
         };
         let op = parse_op(op)?;
         let compression = match compressor {

@@ -48,6 +48,11 @@ pub struct FusionOptions {
     /// Tensors of at least this many bytes are all-reduced in place, alone, instead of being
     /// copied into a bucket (default 1 MiB; `usize::MAX` packs everything).
     pub direct_bytes: usize,
+    /// All-reduce uncompressed buckets with
+    /// [`all_reduce_skipping_zeros_bytes`](Communicator::all_reduce_skipping_zeros_bytes):
+    /// a bucket whose non-zero blocks are few (an embedding's gradient) moves only those;
+    /// lossless (default off: it scans each bucket and adds a small all-gather).
+    pub skip_zero_blocks: bool,
 }
 
 impl Default for FusionOptions {
@@ -56,6 +61,7 @@ impl Default for FusionOptions {
             cap_bytes: 25 << 20,
             first_bucket_bytes: 1 << 20,
             direct_bytes: 1 << 20,
+            skip_zero_blocks: false,
         }
     }
 }
@@ -67,6 +73,7 @@ impl FusionOptions {
             cap_bytes,
             first_bucket_bytes: cap_bytes,
             direct_bytes: usize::MAX,
+            skip_zero_blocks: false,
         }
     }
 }
@@ -363,16 +370,19 @@ impl BucketStates {
     }
 }
 
-/// All-reduce one bucket's bytes: compressed with its state when it has one, else plainly.
+/// All-reduce one bucket's bytes: compressed with its state when it has one, else plainly
+/// (skipping zero blocks with `skip_zeros`, see [`FusionOptions::skip_zero_blocks`]).
 pub fn reduce_bucket(
     c: &Communicator,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
     state: &mut Option<BucketState>,
+    skip_zeros: bool,
 ) -> Result<()> {
     match state {
         Some((_, state)) => c.all_reduce_compressed_bytes(buf, dtype, op, state),
+        None if skip_zeros => c.all_reduce_skipping_zeros_bytes(buf, dtype, op).map(drop),
         None => c.all_reduce_bytes(None, buf, dtype, op),
     }
 }
@@ -543,8 +553,9 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             .as_ref()
             .filter(|s| s.compressor().is_lossy());
         let mut comp = lossy.map(|fresh| self.fusion.states.take(fresh, &bucket));
+        let skip_zeros = self.fusion.opts.skip_zero_blocks;
         let reduce = move |c: &Communicator, buf: &mut [u8], comp: &mut Option<BucketState>| {
-            reduce_bucket(c, buf, dtype, op, comp)
+            reduce_bucket(c, buf, dtype, op, comp, skip_zeros)
         };
         let work = if bucket.direct {
             let t = self.tensors[bucket.members[0]]
@@ -654,7 +665,7 @@ mod tests {
         ) {
             let tensors: Vec<(DType, usize)> =
                 tensors.into_iter().map(|(d, n)| (DTYPES[d], n)).collect();
-            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first, direct_bytes: direct };
+            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first, direct_bytes: direct, skip_zero_blocks: false };
             let plan = plan_buckets(&tensors, opts);
             let mut seen = vec![0; tensors.len()];
             // The first bucket closed uses `first`, later ones `cap`; a bucket opened before the
@@ -705,6 +716,7 @@ mod tests {
                 cap_bytes: 100,
                 first_bucket_bytes: 20,
                 direct_bytes: usize::MAX,
+                skip_zero_blocks: false,
             },
         );
         let sizes: Vec<usize> = plan.iter().map(|b| b.bytes).collect();

@@ -6,7 +6,8 @@
 
 use hcomm::algo::even_segments;
 use hcomm::compress::{
-    mix_seed, top_k_indices, Codec, Half, Int8Block, RandomK, SignBlock, SplitMix64, TopK,
+    mix_seed, top_k_indices, top_k_take, Codec, Half, Int8Block, RandomK, SignBlock, SplitMix64,
+    TopK,
 };
 use hcomm::config::TransportKind;
 use hcomm::fusion::{plan_buckets, Fusion, FusionOptions, TensorMut};
@@ -702,6 +703,7 @@ fn fused_compression_equals_per_bucket_compression_with_state_kept_per_bucket() 
         cap_bytes: 100_000,
         first_bucket_bytes: 10_000,
         direct_bytes: 1_000_000,
+        skip_zero_blocks: false,
     };
     for transport in [TransportKind::Tcp, TransportKind::Auto] {
         for world in [1usize, 3] {
@@ -883,6 +885,7 @@ fn top_k_of_large_inputs_equals_the_definition() {
                     .collect(),
             ),
         ];
+        let noise: Vec<f32> = (0..n).map(|_| uniform(1e-3)).collect();
         for (name, x) in &dists {
             for k in [1, 7, n / 1000, n / 100, n / 100 + 1, n / 9, n / 8] {
                 assert_eq!(
@@ -890,7 +893,82 @@ fn top_k_of_large_inputs_equals_the_definition() {
                     top_k_reference(x, k),
                     "{name}, n {n}, k {k}"
                 );
+                // the one-pass form with error feedback: the top k of buf + residual
+                for residual in [vec![0.0; n], noise.clone()] {
+                    let sum: Vec<f32> = x.iter().zip(&residual).map(|(b, r)| b + r).collect();
+                    let (mut buf, mut res) = (x.clone(), residual);
+                    let (idx, vals) = top_k_take(&mut buf, &mut res, k);
+                    let ctx = format!("top_k_take: {name}, n {n}, k {k}");
+                    assert_eq!(idx, top_k_reference(&sum, k), "{ctx}");
+                    assert_eq!(
+                        bits(&vals),
+                        idx.iter()
+                            .map(|&i| sum[i as usize].to_bits())
+                            .collect::<Vec<_>>(),
+                        "{ctx}"
+                    );
+                    assert!(buf.iter().all(|v| v.to_bits() == 0), "{ctx}: buf cleared");
+                    let mut left = sum;
+                    for &i in &idx {
+                        left[i as usize] = 0.0;
+                    }
+                    assert_eq!(bits(&res), bits(&left), "{ctx}: residual = the rest");
+                }
             }
         }
     }
+    // small inputs (the plain path) and the edges of k
+    for (n, k) in [(0usize, 1usize), (1, 1), (5, 0), (5, 5), (5, 9), (1000, 10)] {
+        let x: Vec<f32> = (0..n).map(|_| uniform(1.0)).collect();
+        let (mut buf, mut res) = (x.clone(), vec![0.5; n]);
+        let sum: Vec<f32> = x.iter().map(|b| b + 0.5).collect();
+        let (idx, _) = top_k_take(&mut buf, &mut res, k);
+        assert_eq!(idx, top_k_reference(&sum, k), "n {n}, k {k}");
+        assert!(buf.iter().all(|v| v.to_bits() == 0));
+    }
+}
+
+#[test]
+fn top_k_parts_sum_in_rank_order_each_element_written_once() {
+    // three ranks' picks over 10 elements, overlapping; the reference decodes each part in
+    // rank order into zeros and divides every touched element once
+    let picks: [&[(u32, f32)]; 3] = [
+        &[(0, 1.0), (3, 0.1), (9, -2.0)],
+        &[(3, 0.2), (4, 5.0), (9, 1e-8)],
+        &[(1, 3.0), (3, 0.3), (4, -5.0)],
+    ];
+    let codec = TopK::new(3).unwrap();
+    let mut all = Vec::new();
+    for p in picks {
+        let (idx, vals): (Vec<u32>, Vec<f32>) = p.iter().copied().unzip();
+        let mut enc = vec![0u8; 24];
+        TopK::write(&idx, &vals, &mut enc);
+        all.extend(enc);
+    }
+    for divisor in [None, Some(3.0f32)] {
+        let mut want = vec![0f32; 10];
+        for part in all.chunks(24) {
+            codec.decode_add(part, &mut want).unwrap();
+        }
+        if let Some(d) = divisor {
+            for i in [0usize, 1, 3, 4, 9] {
+                want[i] /= d;
+            }
+        }
+        let mut got = vec![0f32; 10];
+        TopK::sum_parts(&all, 24, &mut got, divisor).unwrap();
+        assert_eq!(bits(&got), bits(&want), "divisor {divisor:?}");
+    }
+    // malformed: out of range, not ascending, ragged
+    let mut got = vec![0f32; 4];
+    let e = TopK::sum_parts(&all, 24, &mut got, None).unwrap_err();
+    assert!(
+        e.to_string().contains("is out of range for 4 elements"),
+        "{e}"
+    );
+    let mut bad = vec![0u8; 16];
+    TopK::write(&[5, 2], &[1.0, 1.0], &mut bad);
+    let e = TopK::sum_parts(&bad, 16, &mut [0f32; 10], None).unwrap_err();
+    assert!(e.to_string().contains("not ascending"), "{e}");
+    assert!(TopK::sum_parts(&all[..20], 24, &mut [0f32; 10], None).is_err());
 }

@@ -69,6 +69,11 @@ fn fused_equals_unfused_bitwise() {
                             cap_bytes: 200_000,
                             first_bucket_bytes: 100,
                             direct_bytes: 100_000,
+                            skip_zero_blocks: false,
+                        },
+                        FusionOptions {
+                            skip_zero_blocks: true,
+                            ..FusionOptions::with_cap(300_000)
                         },
                     ] {
                         let mut got = grads(c.rank());

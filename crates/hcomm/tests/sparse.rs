@@ -255,3 +255,105 @@ fn bad_arguments_on_one_rank_fail_every_rank_at_once() {
         }
     }
 }
+
+/// Rank `r`'s dense tensor of `len` elements for the zero-skipping all-reduce: zero except a
+/// few rank-dependent runs (an embedding gradient's rows), a `-0.0` on rank 1, and, with
+/// `dense`, non-zero everywhere. Integer-valued, so every summation order gives the same sum.
+fn mostly_zero(rank: usize, len: usize, dense: bool) -> Vec<f32> {
+    let mut v = vec![0f32; len];
+    for (j, x) in v.iter_mut().enumerate() {
+        let run = (j / 300) % (13 + 4 * rank) == 0;
+        if dense || run {
+            *x = ((j * 7 + rank * 13) % 11) as f32 - 5.0;
+        }
+    }
+    if rank == 1 && len > 1000 {
+        v[1000] = -0.0;
+    }
+    v
+}
+
+#[test]
+fn skipping_zeros_equals_the_dense_all_reduce() {
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        for n in 1..=4 {
+            // short of 64 blocks (dense path), whole blocks, and a short last block
+            for len in [0usize, 1, 5_000, 64 * 256, 100_003] {
+                for (dense, op) in [
+                    (false, ReduceOp::Sum),
+                    (false, ReduceOp::Mean),
+                    (true, ReduceOp::Sum),
+                    (false, ReduceOp::Max),
+                ] {
+                    let runs = ranks(n, transport, |c| {
+                        let mut want = mostly_zero(c.rank(), len, dense);
+                        c.all_reduce_in_place(&mut want, op)?;
+                        let mut got = mostly_zero(c.rank(), len, dense);
+                        let sparse = c.all_reduce_skipping_zeros(&mut got, op)?;
+                        let traffic = c.traffic();
+                        Ok((want, got, sparse, traffic))
+                    });
+                    let ctx =
+                        format!("{n} ranks, {len} elements, dense {dense}, {op:?}, {transport:?}");
+                    for (r, (want, got, sparse, _)) in runs.iter().enumerate() {
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(want), "rank {r}: {ctx}");
+                        // the sparse path runs exactly where it moves fewer bytes
+                        let expect_sparse =
+                            n > 1 && len >= 64 * 256 && !dense && op != ReduceOp::Max;
+                        assert_eq!(*sparse, expect_sparse, "rank {r}: {ctx}");
+                    }
+                    if runs[0].2 {
+                        // fewer bytes than the dense ring's 2 (n - 1) / n of the tensor
+                        let sent: u64 = runs[0]
+                            .3
+                            .iter()
+                            .filter(|t| t.op == "all_reduce_skipping_zeros")
+                            .map(|t| t.bytes_sent())
+                            .sum();
+                        let dense_bytes = (8 * (n - 1) * len / n) as u64;
+                        assert!(
+                            sent > 0 && sent < dense_bytes / 2,
+                            "sent {sent} of {dense_bytes}: {ctx}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn skipping_zeros_other_dtypes_and_disagreements() {
+    ranks(3, TransportKind::Auto, |c| {
+        // f64 and i32: rank-order sums of the blocks equal the dense result
+        let mut a: Vec<f64> = mostly_zero(c.rank(), 40_000, false)
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let mut b = a.clone();
+        c.all_reduce_in_place(&mut a, ReduceOp::Mean)?;
+        assert!(c.all_reduce_skipping_zeros(&mut b, ReduceOp::Mean)?);
+        assert_eq!(a, b);
+        let mut a: Vec<i32> = mostly_zero(c.rank(), 40_000, false)
+            .iter()
+            .map(|&x| x as i32)
+            .collect();
+        let mut b = a.clone();
+        c.all_reduce_in_place(&mut a, ReduceOp::Sum)?;
+        assert!(c.all_reduce_skipping_zeros(&mut b, ReduceOp::Sum)?);
+        assert_eq!(a, b);
+        // all zero: nothing but the counts travels, the result is zero
+        let mut z = vec![0f32; 70_000];
+        assert!(c.all_reduce_skipping_zeros(&mut z, ReduceOp::Sum)?);
+        assert!(z.iter().all(|x| x.to_bits() == 0));
+        // ranks disagreeing on the length: every rank fails naming a rank
+        let mut v = vec![1f32; 70_000 + c.rank()];
+        let e = c
+            .all_reduce_skipping_zeros(&mut v, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+        assert!(e.to_string().contains("bytes of float, rank"), "{e}");
+        Ok(())
+    });
+}

@@ -378,7 +378,7 @@ pub fn top_k_indices(x: &[f32], k: usize) -> Vec<u32> {
     if k == n {
         return (0..n as u64).map(|i| i as u32).collect();
     }
-    if n >= SAMPLED_MIN && k <= n / 8 {
+    if may_sample(n, k) {
         if let Some(out) = top_k_sampled(x, k) {
             return out;
         }
@@ -427,30 +427,42 @@ fn top_k_exact(x: &[f32], k: usize) -> Vec<u32> {
     top_k_among(x, &all, k)
 }
 
-/// [`top_k_indices`] through a threshold guessed from a sample (512 runs of 16 consecutive
-/// elements, one cache line each, at pseudo-random places), aiming at about `2k` elements at
-/// or above it: every such element is a candidate, and if there are at least `k` of them the
-/// top `k` are among them, so selecting among the candidates is exact. `None` when the guess
-/// keeps fewer than `k` (or far too many).
-fn top_k_sampled(x: &[f32], k: usize) -> Option<Vec<u32>> {
-    let n = x.len();
+/// The sample of [`top_k_indices`]'s sampled path: 512 runs of 16 consecutive elements, one
+/// cache line each, at pseudo-random places (a fixed sequence, so results never depend on
+/// anything but the input), of `n` elements whose magnitudes `magnitude_at` gives. Returns
+/// the magnitude that about `2k` of the `n` elements reach, by the sample.
+fn sampled_guess(n: usize, k: usize, magnitude_at: impl Fn(usize) -> u32) -> u32 {
     const RUNS: usize = 512;
     const RUN: usize = 16;
     const SAMPLE: usize = RUNS * RUN;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut sample: Vec<u32> = Vec::with_capacity(SAMPLE);
     for _ in 0..RUNS {
-        // splitmix64: a fixed sequence, so results never depend on anything but `x`
+        // splitmix64
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^= z >> 31;
         let at = (z % (n - RUN) as u64) as usize;
-        sample.extend(x[at..at + RUN].iter().map(magnitude));
+        sample.extend((at..at + RUN).map(&magnitude_at));
     }
     let above_in_sample = (2 * k * SAMPLE).div_ceil(n).min(SAMPLE - 1);
-    let guess = *sample.select_nth_unstable(SAMPLE - 1 - above_in_sample).1;
+    *sample.select_nth_unstable(SAMPLE - 1 - above_in_sample).1
+}
+
+/// Whether [`top_k_indices`] may take the sampled path for `n` elements and `k`.
+fn may_sample(n: usize, k: usize) -> bool {
+    n >= SAMPLED_MIN && k <= n / 8
+}
+
+/// [`top_k_indices`] through a threshold guessed from a sample ([`sampled_guess`]), aiming
+/// at about `2k` elements at or above it: every such element is a candidate, and if there are
+/// at least `k` of them the top `k` are among them, so selecting among the candidates is
+/// exact. `None` when the guess keeps fewer than `k` (or far too many).
+fn top_k_sampled(x: &[f32], k: usize) -> Option<Vec<u32>> {
+    let n = x.len();
+    let guess = sampled_guess(n, k, |i| magnitude(&x[i]));
     let mut candidates = Vec::with_capacity(3 * k);
     for (i, v) in x.iter().enumerate() {
         if magnitude(v) >= guess {
@@ -461,6 +473,64 @@ fn top_k_sampled(x: &[f32], k: usize) -> Option<Vec<u32>> {
         return None;
     }
     Some(top_k_among(x, &candidates, k))
+}
+
+/// Top-k with error feedback in one pass over the data: the top `k` of `x = buf + residual`
+/// (by magnitude, as [`top_k_indices`] picks them) as ascending indices and their values.
+/// On return `buf` is all zeros (ready for the sum of every rank's picks) and `residual`
+/// holds `x` with the picked elements zeroed (what was not sent, for the next step).
+///
+/// One pass adds, keeps the sum, clears `buf` and collects the elements at or above a
+/// threshold guessed from a sample of `x`, so a large tensor is read and written once
+/// (where the add, the selection and the clearing took three passes); the picks are the
+/// same as [`top_k_indices`]'s on `x`. `residual` must be as long as `buf`.
+pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    assert_eq!(buf.len(), residual.len(), "top_k_take: residual length");
+    let n = buf.len();
+    let k = k.min(n);
+    let sampled = if k > 0 && k < n && may_sample(n, k) {
+        let guess = sampled_guess(n, k, |i| magnitude(&(buf[i] + residual[i])));
+        let cap = n / 2;
+        let mut candidates: Vec<u32> = Vec::with_capacity(3 * k);
+        const CHUNK: usize = 4096;
+        for (c, (bc, rc)) in buf
+            .chunks_mut(CHUNK)
+            .zip(residual.chunks_mut(CHUNK))
+            .enumerate()
+        {
+            for (j, (b, r)) in bc.iter_mut().zip(rc.iter_mut()).enumerate() {
+                let x = *b + *r;
+                *r = x;
+                *b = 0.0;
+                if magnitude(&x) >= guess {
+                    candidates.push((c * CHUNK + j) as u32);
+                }
+            }
+            if candidates.len() > cap {
+                // far too many: finish the pass without collecting
+                candidates = Vec::new();
+                let done = ((c + 1) * CHUNK).min(n);
+                for (b, r) in buf[done..].iter_mut().zip(&mut residual[done..]) {
+                    *r += *b;
+                    *b = 0.0;
+                }
+                break;
+            }
+        }
+        (candidates.len() >= k).then(|| top_k_among(residual, &candidates, k))
+    } else {
+        for (b, r) in buf.iter_mut().zip(residual.iter_mut()) {
+            *r += *b;
+            *b = 0.0;
+        }
+        None
+    };
+    let idx = sampled.unwrap_or_else(|| top_k_indices(residual, k));
+    let vals = idx
+        .iter()
+        .map(|&i| std::mem::replace(&mut residual[i as usize], 0.0))
+        .collect();
+    (idx, vals)
 }
 
 /// Top-k sparsification: the `k` largest-magnitude elements travel as (index, value) pairs.
@@ -502,6 +572,80 @@ impl TopK {
     }
 }
 
+impl TopK {
+    /// Write picked (index, value) pairs in the wire format; `out` is `8 * idx.len()` bytes.
+    pub fn write(idx: &[u32], vals: &[f32], out: &mut [u8]) {
+        let (ib, vb) = out.split_at_mut(4 * idx.len());
+        for (&i, ic) in idx.iter().zip(ib.chunks_exact_mut(4)) {
+            ic.copy_from_slice(&i.to_ne_bytes());
+        }
+        for (&v, vc) in vals.iter().zip(vb.chunks_exact_mut(4)) {
+            vc.copy_from_slice(&v.to_ne_bytes());
+        }
+    }
+
+    /// Sum the encodings of every rank (`parts`, each `part_len` bytes, in rank order) into
+    /// `out`, which must be all zeros, and divide each summed element by `divisor` when given:
+    /// element `i` becomes `(0 + v_0 + v_1 + ...) / divisor` over the ranks that sent `i`, in
+    /// rank order, which is what decoding each part into `out` and dividing each touched
+    /// element once gives. Each element is written once (the parts' ascending indices are
+    /// merged), instead of once per part and again for the division.
+    pub fn sum_parts(
+        parts: &[u8],
+        part_len: usize,
+        out: &mut [f32],
+        divisor: Option<f32>,
+    ) -> Result<()> {
+        if part_len == 0 {
+            return Ok(());
+        }
+        if !part_len.is_multiple_of(8) || !parts.len().is_multiple_of(part_len) {
+            return Err(bad(format!(
+                "top-k: {} bytes of parts of {part_len} bytes are not whole (index, value) pairs",
+                parts.len()
+            )));
+        }
+        let n = out.len();
+        let m = part_len / 8;
+        let split: Vec<(&[u8], &[u8])> = parts
+            .chunks_exact(part_len)
+            .map(|p| p.split_at(4 * m))
+            .collect();
+        let word =
+            |b: &[u8], j: usize| -> [u8; 4] { b[4 * j..4 * j + 4].try_into().expect("4 bytes") };
+        let index = |p: usize, j: usize| u32::from_ne_bytes(word(split[p].0, j));
+        let value = |p: usize, j: usize| f32::from_ne_bytes(word(split[p].1, j));
+        let mut at = vec![0usize; split.len()];
+        loop {
+            // the smallest index at the head of any part
+            let Some(i) = (0..split.len())
+                .filter(|&p| at[p] < m)
+                .map(|p| index(p, at[p]))
+                .min()
+            else {
+                return Ok(());
+            };
+            let mut sum = 0.0f32;
+            for (p, j) in at.iter_mut().enumerate() {
+                if *j < m && index(p, *j) == i {
+                    sum += value(p, *j);
+                    *j += 1;
+                    if *j < m && index(p, *j) <= i {
+                        return Err(bad(format!(
+                            "top-k: the indices of rank {p}'s part are not ascending ({} after {i})",
+                            index(p, *j)
+                        )));
+                    }
+                }
+            }
+            let slot = out
+                .get_mut(i as usize)
+                .ok_or_else(|| bad(format!("top-k: index {i} is out of range for {n} elements")))?;
+            *slot = divisor.map_or(sum, |d| sum / d);
+        }
+    }
+}
+
 impl Codec for TopK {
     fn encoded_len(&self, n: usize) -> usize {
         8 * self.k.min(n)
@@ -516,11 +660,8 @@ impl Codec for TopK {
         }
         check_encoded("top-k", out.len(), self.encoded_len(n), n)?;
         let idx = top_k_indices(x, self.k);
-        let (ib, vb) = out.split_at_mut(4 * idx.len());
-        for ((&i, ic), vc) in idx.iter().zip(ib.chunks_mut(4)).zip(vb.chunks_mut(4)) {
-            ic.copy_from_slice(&i.to_ne_bytes());
-            vc.copy_from_slice(&x[i as usize].to_ne_bytes());
-        }
+        let vals: Vec<f32> = idx.iter().map(|&i| x[i as usize]).collect();
+        Self::write(&idx, &vals, out);
         Ok(())
     }
 

@@ -57,7 +57,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-pub use codec::{top_k_indices, Codec, Half, Int8Block, RandomK, SignBlock, TopK};
+pub use codec::{top_k_indices, top_k_take, Codec, Half, Int8Block, RandomK, SignBlock, TopK};
 pub use rng::{mix_seed, random_k_indices, SplitMix64};
 
 use crate::algo::even_segments;
@@ -468,13 +468,15 @@ impl Communicator {
             return Ok(());
         }
         let ef = state.error_feedback;
-        // Sparsifiers keep their input as the next residual (minus what they send): one pass
-        // adds the residual and keeps the sum.
-        let keeps_input = matches!(
-            state.compressor,
-            Compressor::TopK(_) | Compressor::RandomK { .. }
-        );
-        if ef && !state.residual.is_empty() {
+        if ef && state.compressor.is_lossy() && state.residual.len() != buf.len() {
+            // error feedback turned on after the state was bound: start from no residual
+            state.residual = vec![0.0; buf.len()];
+        }
+        // Add the residual. Random-k keeps the sum as the next residual (minus what it sends):
+        // one pass adds and keeps. Top-k does this in its own pass, with the selection.
+        let keeps_input = matches!(state.compressor, Compressor::RandomK { .. });
+        let own_pass = matches!(state.compressor, Compressor::TopK(_));
+        if ef && !own_pass {
             if keeps_input {
                 buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
                     *x += *r;
@@ -485,8 +487,6 @@ impl Communicator {
                     .zip(&state.residual)
                     .for_each(|(x, r)| *x += r);
             }
-        } else if ef && keeps_input {
-            state.residual.copy_from_slice(buf);
         }
         match state.compressor {
             Compressor::None => return self.all_reduce_in_place(buf, op),
@@ -523,34 +523,19 @@ impl Communicator {
                 let mut codec = TopK::new(k)?;
                 let len = codec.encoded_len(buf.len());
                 let mut enc = vec![0u8; len];
-                codec.encode(buf, &mut enc)?;
                 if ef {
-                    // (the residual holds the input already)
-                    for i in TopK::indices(&enc)? {
-                        state.residual[i as usize] = 0.0;
-                    }
+                    // one pass: adds the residual, keeps the rest as the next residual,
+                    // clears `buf` for the sum
+                    let (idx, vals) = top_k_take(buf, &mut state.residual, k);
+                    TopK::write(&idx, &vals, &mut enc);
+                } else {
+                    codec.encode(buf, &mut enc)?;
+                    buf.fill(0.0);
                 }
                 let mut all = vec![0u8; len * self.world_size()];
                 self.all_gather(&enc, &mut all)?;
-                buf.fill(0.0);
-                for part in all.chunks(len.max(1)) {
-                    codec.decode_add(part, buf)?;
-                }
-                if op == ReduceOp::Mean {
-                    // Only the kept elements are non-zero: divide those, each once.
-                    let mut touched: Vec<u32> = all
-                        .chunks(len.max(1))
-                        .map(TopK::indices)
-                        .collect::<Result<Vec<_>>>()?
-                        .concat();
-                    touched.sort_unstable();
-                    touched.dedup();
-                    let w = self.world_size() as f32;
-                    for i in touched {
-                        buf[i as usize] /= w;
-                    }
-                    return Ok(());
-                }
+                let divisor = (op == ReduceOp::Mean).then_some(self.world_size() as f32);
+                return TopK::sum_parts(&all, len, buf, divisor);
             }
             Compressor::RandomK { density, seed } => {
                 let k = density.k(buf.len());
