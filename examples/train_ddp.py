@@ -15,6 +15,9 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                the optimizer step
                The optimizer steps each bucket's parameters as soon as that bucket has
                arrived, while later buckets are still in flight (--no-early-step: after all)
+  skipzeros    overlap, each bucket all-reduced skipping its zero blocks (hcomm's lossless
+               block-sparse all-reduce): the dense token-embedding gradient, zero but for the
+               batch's rows, moves only those rows; the model is unchanged, the result exact
   compressed:C overlap, each bucket compressed with C (fp16, int8, topk:1%, ...; error
                feedback on)
   sparse       overlap, except the token embedding: its gradient is sparse (only the rows of
@@ -40,8 +43,9 @@ FILE, rank 0 appends one JSON object per mode. The last line is "EXAMPLE OK" on 
 
 Model (like ../shared/bench/ddp_train_bench.py): token + learned position embeddings,
 LayerNorm, nn.TransformerEncoder (post-norm, GELU, dropout 0.1), a pooler on the first token
-and a classification head; AdamW (lr 1e-3). Data: deterministic synthetic token sequences per
-rank (seeded by --seed and the rank), label = first token mod classes (learnable).
+and a classification head; AdamW (lr 1e-3; torch's fused implementation unless --adamw
+foreach). Data: deterministic synthetic token sequences per rank (seeded by --seed and the
+rank), label = first token mod classes (learnable).
 """
 
 from __future__ import annotations
@@ -59,11 +63,11 @@ import torch.distributed as dist
 import hcomm
 import hcomm.torch  # noqa: F401  (registers the "hcomm" backend)
 
-MODES = ("local", "naive", "fused", "overlap", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse")
-DEFAULT_MODES = "local,naive,fused,overlap,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,ddp-gloo,ddp-gloo-sparse"
+MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse")
+DEFAULT_MODES = "local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,ddp-gloo,ddp-gloo-sparse"
 TAG = "TRAIN_DDP_RESULT "
 #: modes that wait for communication after backward (DDP waits inside it)
-WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "compressed", "sparse")
+WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "skipzeros", "compressed", "sparse")
 
 
 def parse_args(argv=None):
@@ -81,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--classes", type=int, default=4, help="classes [4]")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout [0.1]")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate [1e-3]")
+    p.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
+                   help="torch's AdamW implementation, the same in every mode [fused: one kernel per step; "
+                        "foreach (torch's default) takes 3x as long here, and twice that again on the mostly-zero "
+                        "gradients of top-k]")
     p.add_argument("--seed", type=int, default=1234, help="weights and data [1234]")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap (fused, overlap, compressed, DDP) in MiB [25]")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket (overlap, compressed) in MiB [1]")
@@ -93,10 +101,10 @@ def parse_args(argv=None):
     p.add_argument("--link-gbit", type=float, default=0.0, help="the link's rate, for the utilisation column [unknown]")
     p.add_argument("--label", default="", help="a label copied into every JSON result (e.g. the link)")
     p.add_argument("--json", default="", help="rank 0 appends one JSON object per mode to this file")
-    p.add_argument("--quick", action="store_true", help="tiny model (2 layers, hidden 64, seq 32), 1 + 3 steps")
+    p.add_argument("--quick", action="store_true", help="tiny model (2 layers, hidden 64, vocab 4000, seq 32), 1 + 3 steps")
     a = p.parse_args(argv)
     if a.quick:
-        a.layers, a.hidden, a.vocab, a.seq, a.batch = 2, 64, 1000, 32, 4
+        a.layers, a.hidden, a.vocab, a.seq, a.batch = 2, 64, 4000, 32, 4
         a.steps, a.warmup = min(a.steps, 3), min(a.warmup, 1)
     a.heads = a.heads or max(1, a.hidden // 64)
     a.ff = a.ff or 4 * a.hidden
@@ -191,7 +199,7 @@ class Trainer:
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
         self.fusion = None
         self.sparse_work = None
-        if self.base in ("overlap", "compressed", "sparse"):
+        if self.base in ("overlap", "skipzeros", "compressed", "sparse"):
             self.fusion = comm.fusion(
                 op="mean",
                 cap_bytes=int(a.bucket_mb * mb),
@@ -199,17 +207,19 @@ class Trainer:
                 direct_bytes=int(a.direct_mb * mb),
                 compression=compressor or None,
                 error_feedback=True,
+                skip_zeros=self.base == "skipzeros",
             )
             for p in self.params:  # each gradient starts its bucket's all-reduce as it is ready
                 if self.sparse and p is self.model.tok.weight:
                     p.register_post_accumulate_grad_hook(self.launch_sparse)
                 else:
                     p.register_post_accumulate_grad_hook(self.push)
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=a.lr)
-        # early step: one AdamW per bucket (made at the first step; buckets are the same every
-        # step), stepped as its bucket arrives; AdamW is per-element, so this is the same update
+        self.opt = torch.optim.AdamW(self.net.parameters(), lr=a.lr, fused=a.adamw == "fused", foreach=a.adamw == "foreach")
+        # early step: the parameters of buckets that have arrived are stepped at once (one
+        # AdamW over all of them), while later buckets are still in flight; AdamW is
+        # per-element, so stepping in parts is the same update
         self.early = self.fusion is not None and a.early_step
-        self.grad_owner, self.bucket_opts, self.opt_of, self.stepped = {}, {}, {}, set()
+        self.grad_owner, self.stepped = {}, set()
         self.early_s = 0.0
         self.lossf = torch.nn.CrossEntropyLoss()
         self.data = make_data(a, rank)
@@ -227,20 +237,24 @@ class Trainer:
         self.fusion.push(p.grad)
 
     def bucket_arrived(self, grads):
-        """fusion.finish's callback: these gradients are averaged; step their parameters."""
+        """fusion.finish's callback: these gradients (every bucket that has arrived since the
+        last call) are averaged; step their parameters."""
         t0 = time.perf_counter()
         params = [self.grad_owner[id(g)] for g in grads]
-        key = tuple(id(p) for p in params)
-        opt = self.bucket_opts.get(key)
-        if opt is None:
-            if any(id(p) in self.opt_of for p in params):
-                raise RuntimeError("train_ddp: the buckets changed between steps; early stepping needs the same buckets")
-            opt = self.bucket_opts[key] = torch.optim.AdamW(params, lr=self.a.lr)
-            for p in params:
-                self.opt_of[id(p)] = opt
-        opt.step()
+        self.step_only(params)
         self.stepped.update(id(p) for p in params)
         self.early_s += time.perf_counter() - t0
+
+    def step_only(self, params):
+        """One AdamW step of `params` alone: the optimizer's single parameter group holds
+        just them for the call (its state is per parameter, so the others are untouched)."""
+        group = self.opt.param_groups[0]
+        every = group["params"]
+        group["params"] = params
+        try:
+            self.opt.step()
+        finally:
+            group["params"] = every
 
     def optimizer_step(self):
         """Step what the early steps have not (all parameters without early stepping)."""
@@ -248,11 +262,8 @@ class Trainer:
             self.opt.step()
             return
         rest = [p for p in self.params if id(p) not in self.stepped]
-        key = tuple(id(p) for p in rest)
         if rest:
-            if key not in self.bucket_opts:
-                self.bucket_opts[key] = torch.optim.AdamW(rest, lr=self.a.lr)
-            self.bucket_opts[key].step()
+            self.step_only(rest)
 
     def launch_sparse(self, p):
         """The token embedding's sparse gradient, ready: start its sparse all-reduce (the

@@ -18,6 +18,7 @@ from conftest import EXAMPLES, ROOT, needs_torch, run_job
 TOLERANCE = {
     "fused": 1e-4,
     "overlap": 1e-4,
+    "skipzeros": 1e-4,
     "sparse": 1e-4,
     "ddp-hcomm": 1e-4,
     "ddp-hcomm-sparse": 1e-4,
@@ -47,7 +48,7 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert not results["local"]["replicas_identical"]
     assert results["local"]["loss"] != naive["loss"]
     # wait measured where the mode waits after backward
-    for mode in ("naive", "fused", "overlap", "sparse", "compressed:fp16"):
+    for mode in ("naive", "fused", "overlap", "skipzeros", "sparse", "compressed:fp16"):
         assert results[mode]["wait_ms"] is not None and results[mode]["wait_ms"] >= 0
     assert results["ddp-hcomm"]["wait_ms"] is None
     # hcomm's counters: the compressed forms send less; gloo and local are not hcomm's
@@ -56,11 +57,13 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert results["compressed:fp16"]["hcomm_sent_per_step"] < 0.6 * full
     assert results["compressed:int8"]["hcomm_sent_per_step"] < 0.5 * full
     assert results["compressed:topk:1%"]["hcomm_sent_per_step"] < 0.1 * full
-    # the sparse token embedding: only the batch's rows travel (4 x 32 tokens of 1,000 rows
-    # of 64 floats per rank: at most 128 rows, vs the table's 256 KB dense)
-    table = 1000 * 64 * 4
+    # the sparse token embedding: only the batch's rows travel (4 x 32 tokens of 4,000 rows
+    # of 64 floats per rank: at most 128 rows, vs the table's 1 MB dense); skipping zero
+    # blocks moves the 1 KiB blocks (4 rows) that hold them, with the dense model
+    table = 4000 * 64 * 4
     assert results["sparse"]["hcomm_sent_per_step"] < full - table + 0.2 * table
     assert results["ddp-hcomm-sparse"]["hcomm_sent_per_step"] < full - table + 0.2 * table
+    assert results["skipzeros"]["hcomm_sent_per_step"] < full - table + 0.2 * table
     assert results["ddp-gloo"]["hcomm_sent_per_step"] is None and results["local"]["hcomm_sent_per_step"] is None
     assert "ddp-gloo" in out
 
@@ -89,7 +92,7 @@ def test_training_report_quick_on_loopback(tmp_path):
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
     lines = out.with_suffix(".jsonl").read_text().splitlines()
-    assert len(lines) == 13 and "meta" in json.loads(lines[0])  # the run's description, then 12 modes
+    assert len(lines) == 14 and "meta" in json.loads(lines[0])  # the run's description, then 13 modes
     # the report can be written again from the kept results, identically
     again = tmp_path / "again.md"
     p = subprocess.run(
