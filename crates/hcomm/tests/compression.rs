@@ -174,6 +174,32 @@ proptest! {
     }
 
     #[test]
+    fn encoding_keeping_the_error_is_add_encode_decode_subtract(x in vec_strategy(), block in 1usize..300, sr in any::<bool>(), seed in any::<u64>()) {
+        let r0: Vec<f32> = x.iter().enumerate().map(|(i, v)| if i % 3 == 0 { v * 0.5 } else { -(i as f32) * 1e-3 }).collect();
+        let codecs: Vec<Box<dyn Fn() -> Box<dyn Codec>>> = vec![
+            Box::new(move || Box::new(if sr { Int8Block::stochastic(block, seed) } else { Int8Block::new(block) }.unwrap())),
+            Box::new(move || Box::new(SignBlock::new(block).unwrap())),
+        ];
+        for make in codecs {
+            let (mut a, mut b) = (make(), make());
+            let len = a.encoded_len(x.len());
+            // step by step
+            let sum: Vec<f32> = x.iter().zip(&r0).map(|(v, r)| v + r).collect();
+            let mut want_enc = vec![0u8; len];
+            a.encode(&sum, &mut want_enc).unwrap();
+            let mut dec = vec![0f32; x.len()];
+            a.decode(&want_enc, &mut dec).unwrap();
+            let want_r: Vec<f32> = sum.iter().zip(&dec).map(|(v, d)| v - d).collect();
+            // in one
+            let mut enc = vec![0u8; len];
+            let mut r = r0.clone();
+            b.encode_keeping_error(&x, &mut r, &mut enc).unwrap();
+            prop_assert_eq!(&enc, &want_enc);
+            prop_assert_eq!(bits(&r), bits(&want_r));
+        }
+    }
+
+    #[test]
     fn int8_round_trip_is_within_its_bound(x in vec_strategy(), block in 1usize..300, sr in any::<bool>(), seed in any::<u64>()) {
         let mut codec = if sr { Int8Block::stochastic(block, seed) } else { Int8Block::new(block) }.unwrap();
         let mut enc = vec![0u8; codec.encoded_len(x.len())];

@@ -43,6 +43,32 @@ pub trait Codec {
         out.fill(0.0);
         self.decode_add(bytes, out)
     }
+
+    /// Error feedback's encode: encode `x + residual` into `out` and leave in `residual` what
+    /// the encoding loses (`x + residual - decode(out)`). The same bits as adding, encoding,
+    /// decoding and subtracting in turn; codecs may do it in one pass over the data.
+    fn encode_keeping_error(
+        &mut self,
+        x: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<()> {
+        if residual.len() != x.len() {
+            return Err(bad(format!(
+                "residual of {} elements for {} elements",
+                residual.len(),
+                x.len()
+            )));
+        }
+        let sum: Vec<f32> = x.iter().zip(residual.iter()).map(|(a, r)| a + r).collect();
+        self.encode(&sum, out)?;
+        self.decode(out, residual)?;
+        residual
+            .iter_mut()
+            .zip(&sum)
+            .for_each(|(r, &v)| *r = v - *r);
+        Ok(())
+    }
 }
 
 /// Largest finite f16.
@@ -225,6 +251,37 @@ impl Int8Block {
         };
         max_abs * (step + 1.0 / (1u32 << 20) as f32)
     }
+
+    /// Encode one block into `codes` (as many bytes as elements); returns its scale.
+    fn encode_block(&mut self, xb: &[f32], codes: &mut [u8]) -> f32 {
+        let s = max_abs(xb) / 127.0;
+        if s == 0.0 {
+            codes.fill(0);
+            return s;
+        }
+        // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
+        // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
+        // flipped is the code as an i8. (x * (1 / s) instead of x / s: two roundings of
+        // 2^-24, inside the bound's slack.)
+        let inv = 1.0 / s;
+        match &mut self.rng {
+            None => {
+                for (c, &v) in codes.iter_mut().zip(xb) {
+                    // floor(t + 128.5) in 1..=255 (0 only for NaN): the code + 128.
+                    let q = ((v * inv + 128.5) as u8).max(1);
+                    *c = q ^ 0x80;
+                }
+            }
+            Some(rng) => {
+                for (c, &v) in codes.iter_mut().zip(xb) {
+                    let u = rng.next_unit_f32();
+                    let q = ((v * inv + 128.0 + u) as u8).max(1);
+                    *c = q ^ 0x80;
+                }
+            }
+        }
+        s
+    }
 }
 
 impl Codec for Int8Block {
@@ -241,32 +298,45 @@ impl Codec for Int8Block {
             .zip(codes.chunks_mut(self.block))
             .zip(scales.chunks_mut(4))
         {
-            let s = max_abs(xb) / 127.0;
+            let s = self.encode_block(xb, cb);
             sb.copy_from_slice(&s.to_ne_bytes());
-            if s == 0.0 {
-                cb.fill(0);
-                continue;
-            }
-            // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
-            // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
-            // flipped is the code as an i8. (x * (1 / s) instead of x / s: two roundings of
-            // 2^-24, inside the bound's slack.)
-            let inv = 1.0 / s;
-            match &mut self.rng {
-                None => {
-                    for (c, &v) in cb.iter_mut().zip(xb) {
-                        // floor(t + 128.5) in 1..=255 (0 only for NaN): the code + 128.
-                        let q = ((v * inv + 128.5) as u8).max(1);
-                        *c = q ^ 0x80;
-                    }
-                }
-                Some(rng) => {
-                    for (c, &v) in cb.iter_mut().zip(xb) {
-                        let u = rng.next_unit_f32();
-                        let q = ((v * inv + 128.0 + u) as u8).max(1);
-                        *c = q ^ 0x80;
-                    }
-                }
+        }
+        Ok(())
+    }
+
+    /// One pass per block: the block of `x + residual` is summed into a block-sized scratch,
+    /// encoded, and its error written back to `residual` (see [`Codec::encode_keeping_error`]).
+    fn encode_keeping_error(
+        &mut self,
+        x: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let n = x.len();
+        check_encoded("int8", out.len(), self.encoded_len(n), n)?;
+        if residual.len() != n {
+            return Err(bad(format!(
+                "int8: residual of {} elements for {n} elements",
+                residual.len()
+            )));
+        }
+        let (scales, codes) = out.split_at_mut(4 * n.div_ceil(self.block));
+        let mut sum = vec![0f32; self.block.min(n)];
+        for (((xb, rb), cb), sb) in x
+            .chunks(self.block)
+            .zip(residual.chunks_mut(self.block))
+            .zip(codes.chunks_mut(self.block))
+            .zip(scales.chunks_mut(4))
+        {
+            let t = &mut sum[..xb.len()];
+            t.iter_mut()
+                .zip(xb.iter().zip(rb.iter()))
+                .for_each(|(t, (a, r))| *t = a + r);
+            let s = self.encode_block(t, cb);
+            sb.copy_from_slice(&s.to_ne_bytes());
+            // the error: x + r - decoded, decoded = 0 + code * s as decode gives it
+            for ((r, &v), &c) in rb.iter_mut().zip(t.iter()).zip(cb.iter()) {
+                *r = v - (0.0 + (c as i8) as f32 * s);
             }
         }
         Ok(())

@@ -473,9 +473,13 @@ impl Communicator {
             state.residual = vec![0.0; buf.len()];
         }
         // Add the residual. Random-k keeps the sum as the next residual (minus what it sends):
-        // one pass adds and keeps. Top-k does this in its own pass, with the selection.
+        // one pass adds and keeps. Top-k, int8 and sign add it in their own pass, with the
+        // selection or the encoding.
         let keeps_input = matches!(state.compressor, Compressor::RandomK { .. });
-        let own_pass = matches!(state.compressor, Compressor::TopK(_));
+        let own_pass = matches!(
+            state.compressor,
+            Compressor::TopK(_) | Compressor::Int8 { .. } | Compressor::Sign { .. }
+        );
         if ef && !own_pass {
             if keeps_input {
                 buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
@@ -576,13 +580,16 @@ impl Communicator {
         let pad = lens.iter().copied().max().unwrap_or(0);
         let mut send = vec![0u8; pad * world];
         for ((c, &l), out) in chunks.iter().zip(&lens).zip(send.chunks_mut(pad.max(1))) {
-            codec.encode(&buf[c.clone()], &mut out[..l])?;
-        }
-        if state.error_feedback {
-            for ((c, &l), enc) in chunks.iter().zip(&lens).zip(send.chunks(pad.max(1))) {
-                codec.decode(&enc[..l], &mut state.residual[c.clone()])?;
+            if state.error_feedback {
+                // buf + residual encoded, the residual left with what that loses
+                codec.encode_keeping_error(
+                    &buf[c.clone()],
+                    &mut state.residual[c.clone()],
+                    &mut out[..l],
+                )?;
+            } else {
+                codec.encode(&buf[c.clone()], &mut out[..l])?;
             }
-            residual_from_decoded(buf, &mut state.residual);
         }
         let mut recv = vec![0u8; pad * world];
         self.all_to_all(&send, &mut recv)?;
@@ -595,19 +602,14 @@ impl Communicator {
             codec.decode_add(&part[..lens[me]], &mut sum)?;
         }
         drop(recv);
+        let mut enc = vec![0u8; lens[me]];
         if state.error_feedback {
             if state.owner_residual.len() != sum.len() {
                 state.owner_residual = vec![0.0; sum.len()];
             }
-            sum.iter_mut()
-                .zip(&state.owner_residual)
-                .for_each(|(s, r)| *s += r);
-        }
-        let mut enc = vec![0u8; lens[me]];
-        codec.encode(&sum, &mut enc)?;
-        if state.error_feedback {
-            codec.decode(&enc, &mut state.owner_residual)?;
-            residual_from_decoded(&sum, &mut state.owner_residual);
+            codec.encode_keeping_error(&sum, &mut state.owner_residual, &mut enc)?;
+        } else {
+            codec.encode(&sum, &mut enc)?;
         }
         let mut all = vec![0u8; lens.iter().sum()];
         self.all_gather_v_bytes(Some(&enc), &mut all, &lens, DType::U8)?;
