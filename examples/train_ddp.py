@@ -332,6 +332,7 @@ class Trainer:
             "times": self.times[w:],
             "waits": self.waits[w:],
             "computes": self.computes[w:],
+            "losses": self.losses,
             "first_loss": self.losses[0],
             "last_loss": self.losses[-1],
             "sent": sum(self.sent[w:]) if self.sent else None,
@@ -380,6 +381,8 @@ def summarize(a, mode, every, world):
         "link_util": (link_per_step * 8 / (a.link_gbit * 1e9) / step_s) if link_per_step is not None and a.link_gbit > 0 else None,
         "first_loss": statistics.mean(r["first_loss"] for r in every),
         "loss": statistics.mean(r["last_loss"] for r in every),
+        # every step's loss (warm-up included), mean over ranks
+        "loss_curve": [statistics.mean(r["losses"][i] for r in every) for i in range(len(every[0]["losses"]))],
         "replicas_identical": all(r["csum"] == every[0]["csum"] for r in every),
         "buckets": every[0]["buckets"],
     }

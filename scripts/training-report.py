@@ -211,7 +211,7 @@ def svg_plot(groups, path):
         for r in res:
             if r["mode"] not in modes:
                 modes.append(r["mode"])
-    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295"]
+    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#499894", "#79706e"]
     bar_h, gap, left, width = 13, 18, 300, 560
     height = 60 + sum(len(res) * bar_h + gap + 16 for _, res in groups) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" font-family="sans-serif" font-size="11">',
@@ -240,8 +240,42 @@ def svg_plot(groups, path):
             x = left + local * scale
             out.append(f'<line x1="{x:.1f}" y1="{y - bar_h * len(res) - 2}" x2="{x:.1f}" y2="{y + 1}" stroke="#333" stroke-dasharray="3,2"/>')
         y += gap
+    y = loss_panels(groups, modes, colors, out, y + 10, left, width)
+    out[0] = out[0].replace(f'height="{height}"', f'height="{y + 20}"')
     out.append("</svg>")
     Path(path).write_text("\n".join(out) + "\n")
+
+
+def loss_panels(groups, modes, colors, out, y, left, width):
+    """Below the bars: per configuration, the training loss of every step (mean over ranks,
+    warm-up steps included) of every mode, one line per mode in its bar's colour. Exact modes
+    lie on naive's line; compressed ones near it. Returns the y below the panels."""
+    curves = [(title, [r for r in res if r.get("loss_curve")]) for title, res in groups]
+    curves = [(t, res) for t, res in curves if res]
+    if not curves:
+        return y
+    out.append(f'<text x="10" y="{y + 10}" font-size="14" font-weight="bold">Training loss per step (mean over ranks; warm-up steps included)</text>')
+    out.append(f'<text x="10" y="{y + 28}" fill="#555">one line per mode, colours as above; exact modes coincide with naive; local trains each rank on its own shard</text>')
+    y += 44
+    ph = 110
+    for title, res in curves:
+        lo = min(min(r["loss_curve"]) for r in res)
+        hi = max(max(r["loss_curve"]) for r in res)
+        span = (hi - lo) or 1.0
+        steps = max(len(r["loss_curve"]) for r in res)
+        out.append(f'<text x="10" y="{y + 10}" font-weight="bold">{title}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{width - 60}" height="{ph}" fill="none" stroke="#ccc"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 10}" text-anchor="end" fill="#555">{hi:.3f}</text>')
+        out.append(f'<text x="{left - 6}" y="{y + ph}" text-anchor="end" fill="#555">{lo:.3f}</text>')
+        out.append(f'<text x="{left + width - 56}" y="{y + ph}" fill="#555">step {steps - 1}</text>')
+        for r in res:
+            c = colors[modes.index(r["mode"]) % len(colors)]
+            pts = " ".join(
+                f"{left + (width - 60) * i / max(1, steps - 1):.1f},{y + ph - ph * (v - lo) / span:.1f}"
+                for i, v in enumerate(r["loss_curve"]))
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="1.5"><title>{r["mode"]}</title></polyline>')
+        y += ph + 24
+    return y
 
 
 def targets_section(big):

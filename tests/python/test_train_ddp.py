@@ -91,6 +91,7 @@ def test_training_report_quick_on_loopback(tmp_path):
     assert "## loopback, 2 ranks" in text and "| compressed:topk:1% |" in text and "| ddp-gloo |" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
+    assert svg.count("<polyline") == 13  # a loss curve per mode
     lines = out.with_suffix(".jsonl").read_text().splitlines()
     assert len(lines) == 14 and "meta" in json.loads(lines[0])  # the run's description, then 13 modes
     # the report can be written again from the kept results, identically
