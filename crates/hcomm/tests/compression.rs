@@ -179,6 +179,8 @@ proptest! {
         let codecs: Vec<Box<dyn Fn() -> Box<dyn Codec>>> = vec![
             Box::new(move || Box::new(if sr { Int8Block::stochastic(block, seed) } else { Int8Block::new(block) }.unwrap())),
             Box::new(move || Box::new(SignBlock::new(block).unwrap())),
+            Box::new(|| Box::new(Half::F16)),
+            Box::new(|| Box::new(Half::Bf16)),
         ];
         for make in codecs {
             let (mut a, mut b) = (make(), make());

@@ -184,6 +184,43 @@ impl Codec for Half {
     fn decode(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         self.decode_with(bytes, out, false)
     }
+
+    /// One pass in chunks of [`HALF_BLOCK`]: `x + residual` into a stack scratch, encoded,
+    /// decoded back, and the difference left in `residual`.
+    fn encode_keeping_error(
+        &mut self,
+        x: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.check(out.len(), x.len())?;
+        if residual.len() != x.len() {
+            return Err(bad(format!(
+                "residual of {} elements for {} elements",
+                residual.len(),
+                x.len()
+            )));
+        }
+        let mut sum = [0f32; HALF_BLOCK];
+        let mut back = [0f32; HALF_BLOCK];
+        for ((xc, rc), oc) in x
+            .chunks(HALF_BLOCK)
+            .zip(residual.chunks_mut(HALF_BLOCK))
+            .zip(out.chunks_mut(2 * HALF_BLOCK))
+        {
+            let n = xc.len();
+            let (t, d) = (&mut sum[..n], &mut back[..n]);
+            t.iter_mut()
+                .zip(xc.iter().zip(rc.iter()))
+                .for_each(|(t, (a, r))| *t = a + r);
+            self.encode(t, oc)?;
+            self.decode(oc, d)?;
+            rc.iter_mut()
+                .zip(t.iter().zip(d.iter()))
+                .for_each(|(r, (v, d))| *r = v - d);
+        }
+        Ok(())
+    }
 }
 
 /// Largest magnitude of a block (NaN ignored; written so that it vectorises).

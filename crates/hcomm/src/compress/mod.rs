@@ -424,11 +424,6 @@ fn chunk_ranges(n: usize, block: usize, world: usize) -> Vec<std::ops::Range<usi
         .collect()
 }
 
-/// `residual = v - decoded`, element-wise, where `residual` holds `decoded` on entry.
-fn residual_from_decoded(v: &[f32], residual: &mut [f32]) {
-    residual.iter_mut().zip(v).for_each(|(r, &x)| *r = x - *r);
-}
-
 fn divide(buf: &mut [f32], world: usize) {
     let w = world as f32;
     buf.iter_mut().for_each(|x| *x /= w);
@@ -472,25 +467,14 @@ impl Communicator {
             // error feedback turned on after the state was bound: start from no residual
             state.residual = vec![0.0; buf.len()];
         }
-        // Add the residual. Random-k keeps the sum as the next residual (minus what it sends):
-        // one pass adds and keeps. Top-k, int8 and sign add it in their own pass, with the
-        // selection or the encoding.
-        let keeps_input = matches!(state.compressor, Compressor::RandomK { .. });
-        let own_pass = matches!(
-            state.compressor,
-            Compressor::TopK(_) | Compressor::Int8 { .. } | Compressor::Sign { .. }
-        );
-        if ef && !own_pass {
-            if keeps_input {
-                buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
-                    *x += *r;
-                    *r = *x;
-                });
-            } else {
-                buf.iter_mut()
-                    .zip(&state.residual)
-                    .for_each(|(x, r)| *x += r);
-            }
+        // Error feedback: random-k adds the residual and keeps the sum as the next residual
+        // (minus what it sends, below) in one pass; the other compressors add it in their
+        // own pass, with the selection or the encoding.
+        if ef && matches!(state.compressor, Compressor::RandomK { .. }) {
+            buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
+                *x += *r;
+                *r = *x;
+            });
         }
         match state.compressor {
             Compressor::None => return self.all_reduce_in_place(buf, op),
@@ -501,10 +485,12 @@ impl Communicator {
                     (Half::Bf16, DType::BF16)
                 };
                 let mut enc = vec![0u8; codec.encoded_len(buf.len())];
-                codec.clone().encode(buf, &mut enc)?;
                 if ef {
-                    codec.decode(&enc, &mut state.residual)?;
-                    residual_from_decoded(buf, &mut state.residual);
+                    codec
+                        .clone()
+                        .encode_keeping_error(buf, &mut state.residual, &mut enc)?;
+                } else {
+                    codec.clone().encode(buf, &mut enc)?;
                 }
                 self.all_reduce_bytes(None, &mut enc, dtype, ReduceOp::Sum)?;
                 codec.decode(&enc, buf)?;
