@@ -223,12 +223,18 @@ impl PyFusion {
                 match waited {
                     Ok(members) => arrived.extend(members),
                     Err(e) => {
+                        // report what arrived before the failed bucket, then stop calling
+                        if let (Some(f), false) = (&ready, arrived.is_empty()) {
+                            if let Err(e) = f.call1((std::mem::take(&mut arrived),)) {
+                                first_err.get_or_insert(e);
+                            }
+                        }
                         first_err.get_or_insert(e);
                         ready = None;
                     }
                 }
             }
-            if let Some(f) = &ready {
+            if let (Some(f), false) = (&ready, arrived.is_empty()) {
                 if let Err(e) = f.call1((arrived,)) {
                     first_err.get_or_insert(e);
                     ready = None;

@@ -30,7 +30,13 @@ impl Communicator {
         Error::invalid(op, 0, msg)
     }
 
-    fn check_len(&self, op: &'static str, what: &str, buf: &[u8], dtype: DType) -> Result<usize> {
+    pub(crate) fn check_len(
+        &self,
+        op: &'static str,
+        what: &str,
+        buf: &[u8],
+        dtype: DType,
+    ) -> Result<usize> {
         if !buf.len().is_multiple_of(dtype.size()) {
             return Err(self.bad(
                 op,

@@ -235,6 +235,7 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<bool> {
+        self.check_len(SKIP_OP, "buffer", buf, dtype)?;
         let size = dtype.size();
         let block = (ZERO_BLOCK_BYTES / size).max(1);
         let block_bytes = block * size;
@@ -269,12 +270,18 @@ impl Communicator {
             },
             buf.len() as u64,
             dtype as u8 as u64,
+            u64::from(op == ReduceOp::Mean),
         ];
-        let mut headers = vec![0u64; 3 * n];
+        let mut headers = vec![0u64; 4 * n];
         self.all_gather(&mine, &mut headers)?;
-        for (r, h) in headers.chunks(3).enumerate() {
-            if h[1] != buf.len() as u64 || h[2] != dtype as u8 as u64 {
+        for (r, h) in headers.chunks(4).enumerate() {
+            if h[1] != buf.len() as u64 || h[2] != dtype as u8 as u64 || h[3] != mine[3] {
                 let theirs = DType::from_code(h[2] as u8).map_or("?".into(), |d| d.to_string());
+                let their_op = if h[3] == 1 {
+                    ReduceOp::Mean
+                } else {
+                    ReduceOp::Sum
+                };
                 return Err(Error::Mismatch {
                     ctx: crate::error::OpContext {
                         op: SKIP_OP,
@@ -282,7 +289,7 @@ impl Communicator {
                     },
                     peer: r,
                     msg: format!(
-                        "this rank has {} bytes of {dtype}, rank {r} {} bytes of {theirs}",
+                        "this rank has {} bytes of {dtype} ({op}), rank {r} {} bytes of {theirs} ({their_op})",
                         buf.len(),
                         h[1]
                     ),
@@ -290,13 +297,13 @@ impl Communicator {
             }
         }
         let total = headers
-            .chunks(3)
+            .chunks(4)
             .try_fold(0usize, |t, h| t.checked_add(usize::try_from(h[0]).ok()?));
         if total.is_none_or(|t| t > limit) {
             self.all_reduce_bytes(None, buf, dtype, op)?;
             return Ok(false);
         }
-        let counts: Vec<usize> = headers.chunks(3).map(|h| h[0] as usize).collect();
+        let counts: Vec<usize> = headers.chunks(4).map(|h| h[0] as usize).collect();
         let mut values = vec![0u8; nonzero.len() * block_bytes];
         for (&b, dst) in nonzero.iter().zip(values.chunks_exact_mut(block_bytes)) {
             let at = b as usize * block_bytes;

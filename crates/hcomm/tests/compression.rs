@@ -987,6 +987,46 @@ fn top_k_parts_sum_in_rank_order_each_element_written_once() {
         TopK::sum_parts(&all, 24, &mut got, divisor).unwrap();
         assert_eq!(bits(&got), bits(&want), "divisor {divisor:?}");
     }
+    // many ranks (the decode path above 16 parts) and few (the merge): the same bits
+    let mut rng = SplitMix64::new(3);
+    for world in [2usize, 16, 17, 40] {
+        let (n, k) = (500usize, 40usize);
+        let mut all = Vec::new();
+        for _ in 0..world {
+            let mut idx: Vec<u32> = Vec::new();
+            while idx.len() < k {
+                let i = (rng.next_u64() % n as u64) as u32;
+                if !idx.contains(&i) {
+                    idx.push(i);
+                }
+            }
+            idx.sort_unstable();
+            let vals: Vec<f32> = idx
+                .iter()
+                .map(|_| (rng.next_u64() >> 40) as f32 * 1e-3 - 8e3)
+                .collect();
+            let mut enc = vec![0u8; 8 * k];
+            TopK::write(&idx, &vals, &mut enc);
+            all.extend(enc);
+        }
+        let codec = TopK::new(k).unwrap();
+        let mut want = vec![0f32; n];
+        let mut touched = vec![false; n];
+        for part in all.chunks(8 * k) {
+            codec.decode_add(part, &mut want).unwrap();
+            for i in TopK::indices(part).unwrap() {
+                touched[i as usize] = true;
+            }
+        }
+        for (w, t) in want.iter_mut().zip(&touched) {
+            if *t {
+                *w /= world as f32;
+            }
+        }
+        let mut got = vec![0f32; n];
+        TopK::sum_parts(&all, 8 * k, &mut got, Some(world as f32)).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{world} ranks");
+    }
     // malformed: out of range, not ascending, ragged
     let mut got = vec![0f32; 4];
     let e = TopK::sum_parts(&all, 24, &mut got, None).unwrap_err();

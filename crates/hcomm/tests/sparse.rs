@@ -347,13 +347,37 @@ fn skipping_zeros_other_dtypes_and_disagreements() {
         let mut z = vec![0f32; 70_000];
         assert!(c.all_reduce_skipping_zeros(&mut z, ReduceOp::Sum)?);
         assert!(z.iter().all(|x| x.to_bits() == 0));
+        // a byte length that is not whole elements: an invalid argument, as for all_reduce
+        let mut odd = vec![0u8; 65 * 1024 + 2];
+        let e = c
+            .all_reduce_skipping_zeros_bytes(&mut odd, hcomm::DType::F32, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("not a whole number of float elements"),
+            "{e}"
+        );
+        // ranks disagreeing on sum and mean: every rank fails naming a rank
+        let op = if c.rank() == 1 {
+            ReduceOp::Mean
+        } else {
+            ReduceOp::Sum
+        };
+        let mut z = vec![0f32; 70_000];
+        let e = c.all_reduce_skipping_zeros(&mut z, op).unwrap_err();
+        assert!(matches!(e, Error::Mismatch { .. }), "{e}");
+        assert!(e.to_string().contains("(avg)"), "{e}");
+        Ok(())
+    });
+    ranks(3, TransportKind::Auto, |c| {
         // ranks disagreeing on the length: every rank fails naming a rank
         let mut v = vec![1f32; 70_000 + c.rank()];
         let e = c
             .all_reduce_skipping_zeros(&mut v, ReduceOp::Sum)
             .unwrap_err();
         assert!(matches!(e, Error::Mismatch { .. }), "{e}");
-        assert!(e.to_string().contains("bytes of float, rank"), "{e}");
+        assert!(e.to_string().contains("bytes of float (sum), rank"), "{e}");
         Ok(())
     });
 }

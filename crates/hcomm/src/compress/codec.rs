@@ -632,7 +632,12 @@ pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>,
         }
         None
     };
-    let idx = sampled.unwrap_or_else(|| top_k_indices(residual, k));
+    let idx = match sampled {
+        Some(idx) => idx,
+        // the sample's guess kept too few (or far too many): the full selection
+        None if k > 0 && k < n && may_sample(n, k) => top_k_exact(residual, k),
+        None => top_k_indices(residual, k),
+    };
     let vals = idx
         .iter()
         .map(|&i| std::mem::replace(&mut residual[i as usize], 0.0))
@@ -714,6 +719,24 @@ impl TopK {
         }
         let n = out.len();
         let m = part_len / 8;
+        if parts.len() / part_len > 16 {
+            // many ranks: the merge below costs ranks² × k; decode every part into `out`
+            // instead (the same sums, in rank order), then divide each touched element once
+            let codec = TopK { k: m };
+            let mut touched = Vec::with_capacity(parts.len() / 8);
+            for part in parts.chunks_exact(part_len) {
+                codec.decode_add(part, out)?;
+                touched.extend(Self::indices(part)?);
+            }
+            if let Some(d) = divisor {
+                touched.sort_unstable();
+                touched.dedup();
+                for i in touched {
+                    out[i as usize] /= d;
+                }
+            }
+            return Ok(());
+        }
         let split: Vec<(&[u8], &[u8])> = parts
             .chunks_exact(part_len)
             .map(|p| p.split_at(4 * m))

@@ -509,6 +509,12 @@ impl Communicator {
                 self.two_stage(buf, state, &mut codec, block)?;
             }
             Compressor::TopK(d) => {
+                if buf.len() as u64 > u32::MAX as u64 + 1 {
+                    return Err(bad(format!(
+                        "top-k: {} elements; indices are 32-bit (at most 2^32 elements)",
+                        buf.len()
+                    )));
+                }
                 let k = d.k(buf.len());
                 let mut codec = TopK::new(k)?;
                 let len = codec.encoded_len(buf.len());

@@ -1546,6 +1546,12 @@ impl TcpLinks {
                     progress |= self.pump_recv(ctx, link, stripe, recvs, Mode::Posted)?;
                 }
             }
+            if progress {
+                // (also the spell that ends the operation: for a small message the only one)
+                if let Some(idle) = spinner.reset() {
+                    self.waits.record(idle, self.policy);
+                }
+            }
             if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
             }
