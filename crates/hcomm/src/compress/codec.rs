@@ -27,6 +27,22 @@ fn check_encoded(name: &str, got: usize, want: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
+fn check_residual(name: &str, residual: usize, n: usize) -> Result<()> {
+    if residual != n {
+        return Err(bad(format!(
+            "{name}: residual of {residual} elements for {n} elements"
+        )));
+    }
+    Ok(())
+}
+
+/// `sum = x + residual`, element-wise (error feedback's input).
+fn add_residual(sum: &mut [f32], x: &[f32], residual: &[f32]) {
+    sum.iter_mut()
+        .zip(x.iter().zip(residual))
+        .for_each(|(t, (a, r))| *t = a + r);
+}
+
 /// An f32 codec: a fixed wire size for a given input length, an encoder and a decoder.
 pub trait Codec {
     /// Exactly how many bytes [`encode`](Self::encode) writes for `n` elements.
@@ -53,14 +69,9 @@ pub trait Codec {
         residual: &mut [f32],
         out: &mut [u8],
     ) -> Result<()> {
-        if residual.len() != x.len() {
-            return Err(bad(format!(
-                "residual of {} elements for {} elements",
-                residual.len(),
-                x.len()
-            )));
-        }
-        let sum: Vec<f32> = x.iter().zip(residual.iter()).map(|(a, r)| a + r).collect();
+        check_residual("encode", residual.len(), x.len())?;
+        let mut sum = vec![0f32; x.len()];
+        add_residual(&mut sum, x, residual);
         self.encode(&sum, out)?;
         self.decode(out, residual)?;
         residual
@@ -194,13 +205,7 @@ impl Codec for Half {
         out: &mut [u8],
     ) -> Result<()> {
         self.check(out.len(), x.len())?;
-        if residual.len() != x.len() {
-            return Err(bad(format!(
-                "residual of {} elements for {} elements",
-                residual.len(),
-                x.len()
-            )));
-        }
+        check_residual("fp16/bf16", residual.len(), x.len())?;
         let mut sum = [0f32; HALF_BLOCK];
         let mut back = [0f32; HALF_BLOCK];
         for ((xc, rc), oc) in x
@@ -210,9 +215,7 @@ impl Codec for Half {
         {
             let n = xc.len();
             let (t, d) = (&mut sum[..n], &mut back[..n]);
-            t.iter_mut()
-                .zip(xc.iter().zip(rc.iter()))
-                .for_each(|(t, (a, r))| *t = a + r);
+            add_residual(t, xc, rc);
             self.encode(t, oc)?;
             self.decode(oc, d)?;
             rc.iter_mut()
@@ -351,12 +354,7 @@ impl Codec for Int8Block {
     ) -> Result<()> {
         let n = x.len();
         check_encoded("int8", out.len(), self.encoded_len(n), n)?;
-        if residual.len() != n {
-            return Err(bad(format!(
-                "int8: residual of {} elements for {n} elements",
-                residual.len()
-            )));
-        }
+        check_residual("int8", residual.len(), n)?;
         let (scales, codes) = out.split_at_mut(4 * n.div_ceil(self.block));
         let mut sum = vec![0f32; self.block.min(n)];
         for (((xb, rb), cb), sb) in x
@@ -366,9 +364,7 @@ impl Codec for Int8Block {
             .zip(scales.chunks_mut(4))
         {
             let t = &mut sum[..xb.len()];
-            t.iter_mut()
-                .zip(xb.iter().zip(rb.iter()))
-                .for_each(|(t, (a, r))| *t = a + r);
+            add_residual(t, xb, rb);
             let s = self.encode_block(t, cb);
             sb.copy_from_slice(&s.to_ne_bytes());
             // the error: x + r - decoded, decoded = 0 + code * s as decode gives it
