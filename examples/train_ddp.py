@@ -19,7 +19,8 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                block-sparse all-reduce): the dense token-embedding gradient, zero but for the
                batch's rows, moves only those rows; the model is unchanged, the result exact
   compressed:C overlap, each bucket compressed with C (fp16, int8, topk:1%, ...; error
-               feedback on)
+               feedback on; top-k selects on the training thread, --no-encode-on-push: on
+               hcomm's engine)
   sparse       overlap, except the token embedding: its gradient is sparse (only the rows of
                the batch's tokens; nn.Embedding(sparse=True)) and goes through one
                sparse_all_reduce (an all-gather of rows) instead of a dense all-reduce of
@@ -94,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket (overlap, compressed) in MiB [1]")
     p.add_argument("--direct-mb", type=float, default=1.0, help="overlap/compressed: tensors this large are reduced alone, unpacked [1]")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank [1]")
+    p.add_argument("--encode-on-push", action=argparse.BooleanOptionalAction, default=True,
+                   help="compressed: top-k's selection on the training thread as each bucket closes, not on hcomm's "
+                        "engine (each rank pays for its own: every core computes here) [on]")
     p.add_argument("--no-early-step", dest="early_step", action="store_false",
                    help="overlap, sparse, compressed: step the optimizer only after every bucket has arrived "
                         "(default: step each bucket's parameters as soon as it arrives, while later buckets are in flight)")
@@ -208,6 +212,7 @@ class Trainer:
                 compression=compressor or None,
                 error_feedback=True,
                 skip_zeros=self.base == "skipzeros",
+                encode_on_push=a.encode_on_push,
             )
             for p in self.params:  # each gradient starts its bucket's all-reduce as it is ready
                 if self.sparse and p is self.model.tok.weight:

@@ -952,12 +952,13 @@ class Communicator:
         compression: Optional[str] = None,
         error_feedback: bool = True,
         skip_zeros: bool = False,
+        encode_on_push: bool = False,
     ) -> "Fusion":
         """A :class:`Fusion` (bucketed all-reduce of many tensors) on this communicator; with
         `compression` (a compressor string such as ``"int8"`` or ``"topk:1%"``) every bucket
         is all-reduced compressed, with `skip_zeros` uncompressed buckets skip their zero
         blocks (lossless; see :class:`Fusion`)."""
-        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes, compression, error_feedback, skip_zeros)
+        return Fusion(self, op, cap_bytes, first_bucket_bytes, direct_bytes, compression, error_feedback, skip_zeros, encode_on_push)
 
     def all_reduce_coalesced(self, tensors: Sequence[Any], op: str = "sum", cap_bytes: int = 25 << 20) -> list:
         """All-reduce every tensor of `tensors` (in place, any sizes and dtypes) in fused
@@ -1076,7 +1077,13 @@ class Fusion:
     bucket's (at 2 ranks; (n - 1) / n at n), only those travel (an all-gather), else the
     dense all-reduce runs. Lossless, for any dtype with op sum or mean: made for a dense
     embedding gradient, zero but for the rows of the batch's tokens. It costs a scan of each
-    bucket and a small all-gather of counts. ::
+    bucket and a small all-gather of counts.
+
+    With `encode_on_push=True`, compressed buckets do the compressor's local part (top-k's
+    residual add and selection) in the :meth:`push` that closes the bucket, on the caller's
+    thread, instead of on hcomm's progress engine: each rank then pays for its own selection
+    on the thread that computes. Worth it when every core computes (the engines' work
+    otherwise slows whichever rank the scheduler puts it next to). ::
 
         fusion = comm.fusion(op="mean")
         with fusion.step() as bucket:          # or: fusion.push(...) ... fusion.finish()
@@ -1095,11 +1102,12 @@ class Fusion:
         compression: Optional[str] = None,
         error_feedback: bool = True,
         skip_zeros: bool = False,
+        encode_on_push: bool = False,
     ) -> None:
         if compression is not None and not isinstance(compression, str):
             raise TypeError(f"fusion: compression must be a compressor string such as 'int8' or 'topk:1%', got {type(compression).__name__}")
         self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes), compression, bool(error_feedback),
-                                 bool(skip_zeros))
+                                 bool(skip_zeros), bool(encode_on_push))
         #: Buckets of the last finished step.
         self.last_step_buckets = 0
         self._pushed: list = []  # this step's tensors, for finish(ready=...)

@@ -9,7 +9,7 @@
 use crate::buffer::{buffer, dtype_name, Buf};
 use crate::errors::{blocking, to_pyerr};
 use hcomm::fusion::{
-    reduce_bucket, Bucket, BucketPlanner, BucketState, BucketStates, FusionOptions,
+    prepare_bucket, reduce_bucket, Bucket, BucketPlanner, BucketState, BucketStates, FusionOptions,
 };
 use hcomm::{Communicator as Comm, CompressionState, DType, ReduceOp};
 use pyo3::exceptions::PyValueError;
@@ -78,8 +78,12 @@ impl PyFusion {
         let reduce = move |c: &Comm, buf: &mut [u8], comp: &mut Option<BucketState>| {
             reduce_bucket(c, buf, dtype, op, comp, skip_zeros)
         };
+        // With encode_on_push, the compressor's local part runs here, on the pushing thread.
+        let encode_here = self.opts.encode_on_push;
         let work = if bucket.direct {
             let b = s.tensors[bucket.members[0]].buf;
+            // SAFETY: alive (kept by the step); nothing else uses it until the job below.
+            prepare_bucket(&mut comp, unsafe { b.bytes_mut() }, encode_here);
             self.comm.run_async("all_reduce", move |c| {
                 // SAFETY: the tensor is kept alive by the step (`Pushed::_owner`) until
                 // `finish` has waited for this job; the caller must not touch it meanwhile.
@@ -92,6 +96,7 @@ impl PyFusion {
                 // SAFETY: alive (kept by the step); only read.
                 buf.extend_from_slice(unsafe { s.tensors[i].buf.bytes() });
             }
+            prepare_bucket(&mut comp, &mut buf, encode_here);
             self.comm.run_async("all_reduce", move |c| {
                 reduce(c, &mut buf, &mut comp)?;
                 Ok((Some(buf), comp))

@@ -532,7 +532,9 @@ impl PyComm {
     /// step; `op` must then be sum or mean, and lossy compressors take float32 tensors only.
     /// With `skip_zeros`, uncompressed buckets skip their zero blocks (lossless; see
     /// `FusionOptions::skip_zero_blocks`).
-    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20, compressor = None, error_feedback = true, skip_zeros = false))]
+    /// With `encode_on_push`, compressed buckets do the compressor's local part (top-k's
+    /// selection) on the pushing thread (see `FusionOptions::encode_on_push`).
+    #[pyo3(signature = (op = "sum", cap_bytes = 25 << 20, first_bucket_bytes = 1 << 20, direct_bytes = 1 << 20, compressor = None, error_feedback = true, skip_zeros = false, encode_on_push = false))]
     #[allow(clippy::too_many_arguments)]
     fn fusion(
         &self,
@@ -544,12 +546,14 @@ impl PyComm {
         compressor: Option<&str>,
         error_feedback: bool,
         skip_zeros: bool,
+        encode_on_push: bool,
     ) -> PyResult<PyFusion> {
         let opts = FusionOptions {
             cap_bytes,
             first_bucket_bytes,
             direct_bytes,
             skip_zero_blocks: skip_zeros,
+            encode_on_push,
         };
         let op = parse_op(op)?;
         let compression = match compressor {

@@ -53,6 +53,11 @@ pub struct FusionOptions {
     /// a bucket whose non-zero blocks are few (an embedding's gradient) moves only those;
     /// lossless (default off: it scans each bucket and adds a small all-gather).
     pub skip_zero_blocks: bool,
+    /// Compressed buckets: do the compressor's local part (top-k's selection, see
+    /// [`CompressionState::prepare`]) on the thread that pushes the tensor that closes the
+    /// bucket, instead of on the progress engine, so that each rank pays for its own on the
+    /// thread that computes (default off: on a host with idle cores the engine overlaps it).
+    pub encode_on_push: bool,
 }
 
 impl Default for FusionOptions {
@@ -62,6 +67,7 @@ impl Default for FusionOptions {
             first_bucket_bytes: 1 << 20,
             direct_bytes: 1 << 20,
             skip_zero_blocks: false,
+            encode_on_push: false,
         }
     }
 }
@@ -74,6 +80,7 @@ impl FusionOptions {
             first_bucket_bytes: cap_bytes,
             direct_bytes: usize::MAX,
             skip_zero_blocks: false,
+            encode_on_push: false,
         }
     }
 }
@@ -370,6 +377,15 @@ impl BucketStates {
     }
 }
 
+/// With [`FusionOptions::encode_on_push`] (`on`), do a compressed bucket's local part now, on
+/// the calling thread ([`CompressionState::prepare_bytes`]); the bucket's job then finds it
+/// done. Nothing for uncompressed buckets.
+pub fn prepare_bucket(state: &mut Option<BucketState>, bytes: &mut [u8], on: bool) {
+    if let (true, Some((_, state))) = (on, state.as_mut()) {
+        state.prepare_bytes(bytes);
+    }
+}
+
 /// All-reduce one bucket's bytes: compressed with its state when it has one, else plainly
 /// (skipping zero blocks with `skip_zeros`, see [`FusionOptions::skip_zero_blocks`]).
 pub fn reduce_bucket(
@@ -553,7 +569,10 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             .as_ref()
             .filter(|s| s.compressor().is_lossy());
         let mut comp = lossy.map(|fresh| self.fusion.states.take(fresh, &bucket));
-        let skip_zeros = self.fusion.opts.skip_zero_blocks;
+        let (skip_zeros, encode_here) = (
+            self.fusion.opts.skip_zero_blocks,
+            self.fusion.opts.encode_on_push,
+        );
         let reduce = move |c: &Communicator, buf: &mut [u8], comp: &mut Option<BucketState>| {
             reduce_bucket(c, buf, dtype, op, comp, skip_zeros)
         };
@@ -564,6 +583,7 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             // SAFETY: the tensor stays in `self.tensors` (borrowed for 'env, which outlives
             // the step) and is not touched again until `finish` has waited for this work;
             // `Fusion::step` always calls `finish`, and the bucketer cannot leave the step.
+            prepare_bucket(&mut comp, t.bytes, encode_here);
             let mut lent = unsafe { LentBuf::new(t.bytes) };
             self.fusion.comm.run_async("all_reduce", move |c| {
                 reduce(c, lent.as_mut(), &mut comp)?;
@@ -577,6 +597,7 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
                     .expect("a tensor is in one bucket only");
                 buf.extend_from_slice(t.bytes);
             }
+            prepare_bucket(&mut comp, &mut buf, encode_here);
             self.fusion.comm.run_async("all_reduce", move |c| {
                 reduce(c, &mut buf, &mut comp)?;
                 Ok((Some(buf), comp))
@@ -665,7 +686,7 @@ mod tests {
         ) {
             let tensors: Vec<(DType, usize)> =
                 tensors.into_iter().map(|(d, n)| (DTYPES[d], n)).collect();
-            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first, direct_bytes: direct, skip_zero_blocks: false };
+            let opts = FusionOptions { cap_bytes: cap, first_bucket_bytes: first, direct_bytes: direct, skip_zero_blocks: false, encode_on_push: false };
             let plan = plan_buckets(&tensors, opts);
             let mut seen = vec![0; tensors.len()];
             // The first bucket closed uses `first`, later ones `cap`; a bucket opened before the
@@ -717,6 +738,7 @@ mod tests {
                 first_bucket_bytes: 20,
                 direct_bytes: usize::MAX,
                 skip_zero_blocks: false,
+                encode_on_push: false,
             },
         );
         let sizes: Vec<usize> = plan.iter().map(|b| b.bytes).collect();

@@ -727,13 +727,19 @@ fn model(rank: usize, step: u64) -> Vec<Vec<f32>> {
 
 #[test]
 fn fused_compression_equals_per_bucket_compression_with_state_kept_per_bucket() {
-    let opts = FusionOptions {
-        cap_bytes: 100_000,
-        first_bucket_bytes: 10_000,
-        direct_bytes: 1_000_000,
-        skip_zero_blocks: false,
-    };
-    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+    // (and with the local part done on the pushing thread: the same bits)
+    for (transport, encode_on_push) in [
+        (TransportKind::Tcp, false),
+        (TransportKind::Auto, false),
+        (TransportKind::Auto, true),
+    ] {
+        let opts = FusionOptions {
+            cap_bytes: 100_000,
+            first_bucket_bytes: 10_000,
+            direct_bytes: 1_000_000,
+            skip_zero_blocks: false,
+            encode_on_push,
+        };
         for world in [1usize, 3] {
             for comp in [
                 Compressor::None,
@@ -785,7 +791,11 @@ fn fused_compression_equals_per_bucket_compression_with_state_kept_per_bucket() 
                             }
                         }
                         for (k, (f, m)) in fused.iter().zip(&manual).enumerate() {
-                            assert_eq!(bits(f), bits(m), "{comp}, step {step}, tensor {k}");
+                            assert_eq!(
+                                bits(f),
+                                bits(m),
+                                "{comp}, step {step}, tensor {k}, encode_on_push {encode_on_push}"
+                            );
                         }
                     }
                     let (buckets, bytes) = fusion.compression_memory();
@@ -954,6 +964,44 @@ fn top_k_of_large_inputs_equals_the_definition() {
         assert_eq!(idx, top_k_reference(&sum, k), "n {n}, k {k}");
         assert!(buf.iter().all(|v| v.to_bits() == 0));
     }
+}
+
+#[test]
+fn prepared_top_k_gives_the_same_bits_and_checks_its_length() {
+    ranks(3, TransportKind::Auto, |c| {
+        let comp = Compressor::TopK(Density::Fraction(0.05));
+        let (mut plain, mut ahead) = (CompressionState::new(comp)?, CompressionState::new(comp)?);
+        for step in 0..3 {
+            let mut a = gradient(c.rank(), 10_007, step);
+            let mut b = a.clone();
+            c.all_reduce_compressed(&mut a, ReduceOp::Mean, &mut plain)?;
+            assert!(ahead.prepare(&mut b), "top-k with error feedback prepares");
+            c.all_reduce_compressed(&mut b, ReduceOp::Mean, &mut ahead)?;
+            assert_eq!(bits(&a), bits(&b), "step {step}");
+            assert_eq!(
+                bits(plain.residual()),
+                bits(ahead.residual()),
+                "step {step}"
+            );
+        }
+        // other compressors and top-k without error feedback: nothing done ahead
+        let mut v = gradient(c.rank(), 100, 0);
+        assert!(!CompressionState::new(Compressor::INT8)?.prepare(&mut v));
+        let mut no_ef = CompressionState::new(comp)?.with_error_feedback(false);
+        assert!(!no_ef.prepare(&mut v));
+        // prepared for one length, called with another: an error naming both
+        let mut st = CompressionState::new(comp)?;
+        assert!(st.prepare(&mut [1.0f32; 50]));
+        let e = c
+            .all_reduce_compressed(&mut vec![1.0f32; 60], ReduceOp::Sum, &mut st)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("prepared for 50 elements, called with 60"),
+            "{e}"
+        );
+        Ok(())
+    });
 }
 
 #[test]

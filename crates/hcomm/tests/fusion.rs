@@ -70,6 +70,7 @@ fn fused_equals_unfused_bitwise() {
                             first_bucket_bytes: 100,
                             direct_bytes: 100_000,
                             skip_zero_blocks: false,
+                            encode_on_push: false,
                         },
                         FusionOptions {
                             skip_zero_blocks: true,

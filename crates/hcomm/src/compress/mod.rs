@@ -312,6 +312,9 @@ pub struct CompressionState {
     owner_residual: Vec<f32>,
     /// int8 / sign: the elements of the chunk this rank owns.
     owner: Option<std::ops::Range<usize>>,
+    /// Top-k: the next call's encoding, made ahead by [`prepare`](Self::prepare) (with the
+    /// number of elements it was made for).
+    prepared: Option<(usize, Vec<u8>)>,
 }
 
 impl CompressionState {
@@ -328,6 +331,7 @@ impl CompressionState {
             residual: Vec::new(),
             owner_residual: Vec::new(),
             owner: None,
+            prepared: None,
         })
     }
 
@@ -389,6 +393,47 @@ impl CompressionState {
         self.residual = Vec::new();
         self.owner_residual = Vec::new();
         self.owner = None;
+        self.prepared = None;
+    }
+
+    /// Do the local part of the next compressed all-reduce of `buf` now, on the calling
+    /// thread: for top-k with error feedback, the residual add, the selection and the
+    /// clearing of `buf` ([`top_k_take`]). The next
+    /// [`all_reduce_compressed`](Communicator::all_reduce_compressed) of the same `buf` with
+    /// this state then only exchanges the picks and sums them. Returns whether anything was
+    /// done (other compressors, and top-k without error feedback, do it all in the call).
+    ///
+    /// Each rank then pays for its own selection on the thread that computes, instead of on
+    /// its progress engine: on a host whose cores all compute, the engines' work otherwise
+    /// lands on whichever core the scheduler picks, slowing one rank more than the other
+    /// (see docs/training.md). Do not touch `buf` between this and the call.
+    pub fn prepare(&mut self, buf: &mut [f32]) -> bool {
+        let Compressor::TopK(d) = self.compressor else {
+            return false;
+        };
+        let n = buf.len();
+        let bound_elsewhere = self.bound.is_some_and(|(bn, _, _)| bn != n);
+        if !self.error_feedback || n == 0 || bound_elsewhere || n as u64 > u32::MAX as u64 + 1 {
+            return false; // the call does it all (and reports a wrong length)
+        }
+        if self.residual.len() != n {
+            self.residual = vec![0.0; n];
+        }
+        let k = d.k(n);
+        let (idx, vals) = top_k_take(buf, &mut self.residual, k);
+        let mut enc = vec![0u8; 8 * idx.len()];
+        TopK::write(&idx, &vals, &mut enc);
+        self.prepared = Some((n, enc));
+        true
+    }
+
+    /// [`prepare`](Self::prepare) on bytes holding f32 elements; does nothing (returns false)
+    /// when they are not whole, aligned f32s (the call then does it all).
+    pub fn prepare_bytes(&mut self, buf: &mut [u8]) -> bool {
+        match bytemuck::try_cast_slice_mut::<u8, f32>(buf) {
+            Ok(f) => self.prepare(f),
+            Err(_) => false,
+        }
     }
 
     /// Bytes of memory the residuals hold.
@@ -400,7 +445,8 @@ impl CompressionState {
         match self.bound {
             None => {
                 self.bound = Some((n, world, rank));
-                if self.error_feedback && self.compressor.is_lossy() {
+                // (a residual `prepare` made for this call is kept)
+                if self.error_feedback && self.compressor.is_lossy() && self.residual.len() != n {
                     self.residual = vec![0.0; n];
                 }
                 Ok(())
@@ -519,7 +565,16 @@ impl Communicator {
                 let mut codec = TopK::new(k)?;
                 let len = codec.encoded_len(buf.len());
                 let mut enc = vec![0u8; len];
-                if ef {
+                if let Some((n, made)) = state.prepared.take() {
+                    // made ahead by `prepare` (buf already cleared, residual kept)
+                    if n != buf.len() || made.len() != len {
+                        return Err(bad(format!(
+                            "top-k: prepared for {n} elements, called with {}",
+                            buf.len()
+                        )));
+                    }
+                    enc = made;
+                } else if ef {
                     // one pass: adds the residual, keeps the rest as the next residual,
                     // clears `buf` for the sum
                     let (idx, vals) = top_k_take(buf, &mut state.residual, k);
