@@ -997,7 +997,7 @@ fn prepared_top_k_gives_the_same_bits_and_checks_its_length() {
             .unwrap_err();
         assert!(
             e.to_string()
-                .contains("prepared for 50 elements, called with 60"),
+                .contains("prepared for another buffer (50 elements), called with 60 elements"),
             "{e}"
         );
         Ok(())

@@ -312,9 +312,19 @@ pub struct CompressionState {
     owner_residual: Vec<f32>,
     /// int8 / sign: the elements of the chunk this rank owns.
     owner: Option<std::ops::Range<usize>>,
-    /// Top-k: the next call's encoding, made ahead by [`prepare`](Self::prepare) (with the
-    /// number of elements it was made for).
-    prepared: Option<(usize, Vec<u8>)>,
+    /// Top-k: the next call's encoding, made ahead by [`prepare`](Self::prepare).
+    prepared: Pending,
+}
+
+/// A top-k encoding made ahead by [`CompressionState::prepare`] for one buffer (its address
+/// and length). A clone of the state does not carry it: it belongs to one call.
+#[derive(Debug, Default)]
+struct Pending(Option<(usize, usize, Vec<u8>)>);
+
+impl Clone for Pending {
+    fn clone(&self) -> Self {
+        Pending(None)
+    }
 }
 
 impl CompressionState {
@@ -331,7 +341,7 @@ impl CompressionState {
             residual: Vec::new(),
             owner_residual: Vec::new(),
             owner: None,
-            prepared: None,
+            prepared: Pending::default(),
         })
     }
 
@@ -341,6 +351,7 @@ impl CompressionState {
         if !on {
             self.residual = Vec::new();
             self.owner_residual = Vec::new();
+            self.prepared = Pending::default();
         }
         self
     }
@@ -386,14 +397,15 @@ impl CompressionState {
         self.owner.clone()
     }
 
-    /// Forget the residuals, the step count and the binding to a tensor.
+    /// Forget the residuals, the step count and the binding to a tensor (and an encoding
+    /// [`prepare`](Self::prepare) made: with it, the values of the tensor it was made for).
     pub fn reset(&mut self) {
         self.steps = 0;
         self.bound = None;
         self.residual = Vec::new();
         self.owner_residual = Vec::new();
         self.owner = None;
-        self.prepared = None;
+        self.prepared = Pending::default();
     }
 
     /// Do the local part of the next compressed all-reduce of `buf` now, on the calling
@@ -406,14 +418,25 @@ impl CompressionState {
     /// Each rank then pays for its own selection on the thread that computes, instead of on
     /// its progress engine: on a host whose cores all compute, the engines' work otherwise
     /// lands on whichever core the scheduler picks, slowing one rank more than the other
-    /// (see docs/training.md). Do not touch `buf` between this and the call.
+    /// (see docs/training.md).
+    ///
+    /// `prepare` is the first half of that call: `buf` is cleared and its values are in the
+    /// residual and the pending encoding. Call `all_reduce_compressed` next with the same
+    /// `buf`, untouched. If that call is refused (a bad op, another buffer, a state bound to
+    /// another tensor), the pending picks go back into the residual, so nothing is lost: the
+    /// next call sends them. A second `prepare` before the call does nothing (returns false).
     pub fn prepare(&mut self, buf: &mut [f32]) -> bool {
         let Compressor::TopK(d) = self.compressor else {
             return false;
         };
         let n = buf.len();
         let bound_elsewhere = self.bound.is_some_and(|(bn, _, _)| bn != n);
-        if !self.error_feedback || n == 0 || bound_elsewhere || n as u64 > u32::MAX as u64 + 1 {
+        if !self.error_feedback
+            || n == 0
+            || bound_elsewhere
+            || n as u64 > u32::MAX as u64 + 1
+            || self.prepared.0.is_some()
+        {
             return false; // the call does it all (and reports a wrong length)
         }
         if self.residual.len() != n {
@@ -423,8 +446,23 @@ impl CompressionState {
         let (idx, vals) = top_k_take(buf, &mut self.residual, k);
         let mut enc = vec![0u8; 8 * idx.len()];
         TopK::write(&idx, &vals, &mut enc);
-        self.prepared = Some((n, enc));
+        self.prepared = Pending(Some((buf.as_ptr() as usize, n, enc)));
         true
+    }
+
+    /// A call refused after [`prepare`](Self::prepare): the pending picks go back into the
+    /// residual (which then holds the prepared buffer's values plus the old residual).
+    fn give_back(&mut self, pending: Option<(usize, usize, Vec<u8>)>) {
+        let Some((_, _, enc)) = pending else {
+            return;
+        };
+        let half = enc.len() / 2;
+        for (ic, vc) in enc[..half].chunks_exact(4).zip(enc[half..].chunks_exact(4)) {
+            let i = u32::from_ne_bytes(ic.try_into().expect("4 bytes")) as usize;
+            if let Some(r) = self.residual.get_mut(i) {
+                *r += f32::from_ne_bytes(vc.try_into().expect("4 bytes"));
+            }
+        }
     }
 
     /// [`prepare`](Self::prepare) on bytes holding f32 elements; does nothing (returns false)
@@ -493,13 +531,30 @@ impl Communicator {
         op: ReduceOp,
         state: &mut CompressionState,
     ) -> Result<()> {
-        if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
-            return Err(bad(format!(
-                "compressed all-reduce sums or averages; got op {op}"
-            )));
+        // An encoding `prepare` made is used up by this call whatever happens: by the top-k
+        // below, or given back to the residual when the call is refused.
+        let pending = state.prepared.0.take();
+        let checked = (|| {
+            if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                return Err(bad(format!(
+                    "compressed all-reduce sums or averages; got op {op}"
+                )));
+            }
+            if let Some((at, n, _)) = &pending {
+                if *at != buf.as_ptr() as usize || *n != buf.len() {
+                    return Err(bad(format!(
+                        "top-k: prepared for another buffer ({n} elements), called with {} elements",
+                        buf.len()
+                    )));
+                }
+            }
+            state.compressor.validate()?;
+            state.bind(buf.len(), self.world_size(), self.rank())
+        })();
+        if let Err(e) = checked {
+            state.give_back(pending);
+            return Err(e);
         }
-        state.compressor.validate()?;
-        state.bind(buf.len(), self.world_size(), self.rank())?;
         // One unit: the collectives below run back to back in this operation's turn.
         let _turn = self.engine().turns.enter();
         let _traffic = TrafficScope::enter(self, OP);
@@ -565,14 +620,8 @@ impl Communicator {
                 let mut codec = TopK::new(k)?;
                 let len = codec.encoded_len(buf.len());
                 let mut enc = vec![0u8; len];
-                if let Some((n, made)) = state.prepared.take() {
-                    // made ahead by `prepare` (buf already cleared, residual kept)
-                    if n != buf.len() || made.len() != len {
-                        return Err(bad(format!(
-                            "top-k: prepared for {n} elements, called with {}",
-                            buf.len()
-                        )));
-                    }
+                if let Some((_, _, made)) = pending {
+                    // made ahead by `prepare` for this buffer (cleared, residual kept)
                     enc = made;
                 } else if ef {
                     // one pass: adds the residual, keeps the rest as the next residual,
