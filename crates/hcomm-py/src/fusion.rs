@@ -229,22 +229,13 @@ impl PyFusion {
                     Ok(members) => arrived.extend(members),
                     Err(e) => {
                         // report what arrived before the failed bucket, then stop calling
-                        if let (Some(f), false) = (&ready, arrived.is_empty()) {
-                            if let Err(e) = f.call1((std::mem::take(&mut arrived),)) {
-                                first_err.get_or_insert(e);
-                            }
-                        }
+                        report_arrived(&mut ready, std::mem::take(&mut arrived), &mut first_err);
                         first_err.get_or_insert(e);
                         ready = None;
                     }
                 }
             }
-            if let (Some(f), false) = (&ready, arrived.is_empty()) {
-                if let Err(e) = f.call1((arrived,)) {
-                    first_err.get_or_insert(e);
-                    ready = None;
-                }
-            }
+            report_arrived(&mut ready, arrived, &mut first_err);
         }
         drop(tensors);
         first_err.map_or(Ok(launched), Err)
@@ -285,6 +276,21 @@ impl PyFusion {
                 .as_ref()
                 .map_or("none".to_string(), |s| s.compressor().to_string())
         )
+    }
+}
+
+/// `finish`'s callback with the positions that arrived (none: no call); an exception from it
+/// is kept as the step's error and stops further calls.
+fn report_arrived(
+    ready: &mut Option<Bound<'_, PyAny>>,
+    arrived: Vec<usize>,
+    first_err: &mut Option<PyErr>,
+) {
+    if let (Some(f), false) = (ready.as_ref(), arrived.is_empty()) {
+        if let Err(e) = f.call1((arrived,)) {
+            first_err.get_or_insert(e);
+            *ready = None;
+        }
     }
 }
 

@@ -612,6 +612,7 @@ impl Communicator {
                 policy,
                 aborted.clone(),
                 timeout,
+                transport == TransportKind::Shm,
             )?
         } else {
             if transport == TransportKind::Shm && size > 1 {
@@ -624,7 +625,14 @@ impl Communicator {
         };
         let shm_bytes = shm.as_ref().map_or(0, |s| s.footprint());
         let p2p_shm = if transport != TransportKind::Tcp && local.len() > 1 {
-            setup_p2p_shm(&mut store, &comm_id, rank, &local, timeout)?
+            setup_p2p_shm(
+                &mut store,
+                &comm_id,
+                rank,
+                &local,
+                timeout,
+                transport == TransportKind::Shm,
+            )?
         } else {
             None
         };
@@ -1816,7 +1824,9 @@ fn segment_name(kind: &str, comm_id: &str) -> String {
 }
 
 /// Create (rank 0) or attach (others) the communicator's shared-memory segment
-/// ([`share_segment`]). Any failure means TCP for everyone (unless `HCOMM_TRANSPORT=shm`).
+/// ([`share_segment`]). Any failure means TCP for everyone, unless `strict` (the transport
+/// is `shm`, `HCOMM_TRANSPORT=shm`): then it is an error.
+#[allow(clippy::too_many_arguments)]
 fn setup_shm(
     store: &mut StoreClient,
     comm_id: &str,
@@ -1825,11 +1835,11 @@ fn setup_shm(
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
     timeout: Duration,
+    strict: bool,
 ) -> Result<Option<crate::shm::ShmGroup>> {
     use crate::shm::{chunk_from_env, Layout, ShmGroup};
     let serr =
         |e: crate::bootstrap::store::StoreError| Error::Config(format!("shared memory setup: {e}"));
-    let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
     let shared = share_segment(
         store,
         &format!("{comm_id}/shm"),
@@ -1855,10 +1865,7 @@ fn setup_shm(
             }
         },
         |name, rest| {
-            let chunk: usize = rest
-                .trim()
-                .parse()
-                .map_err(|_| Error::Config(format!("bad shared memory record '{name} {rest}'")))?;
+            let chunk = record_size(name, rest)?;
             match ShmGroup::attach(name, Layout { size, chunk }, rank, policy, abort.clone()) {
                 Ok(g) => Ok(Some(g)),
                 Err(e) => {
@@ -1895,15 +1902,24 @@ fn setup_shm(
     Ok(group)
 }
 
+/// The size in a published segment record (`NAME SIZE`: the part after the name).
+fn record_size(name: &str, rest: &str) -> Result<usize> {
+    rest.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("bad shared memory record '{name} {rest}'")))
+}
+
 /// Create (the host's lowest rank) or attach (the others) the segment of this host's
 /// point-to-point rings ([`share_segment`]). `local` lists the ranks on this host, in order.
-/// Any failure means TCP for point-to-point within the host (unless `HCOMM_TRANSPORT=shm`).
+/// Any failure means TCP for point-to-point within the host, unless `strict` (the transport
+/// is `shm`): then it is an error.
 fn setup_p2p_shm(
     store: &mut StoreClient,
     comm_id: &str,
     rank: usize,
     local: &[usize],
     timeout: Duration,
+    strict: bool,
 ) -> Result<Option<crate::shm::p2p::P2pShm>> {
     use crate::shm::p2p::{ring_bytes_for, P2pLayout, P2pShm};
     let serr = |e: crate::bootstrap::store::StoreError| {
@@ -1911,7 +1927,6 @@ fn setup_p2p_shm(
     };
     let leader = local[0];
     let me = local.iter().position(|&r| r == rank).expect("a local rank");
-    let strict = std::env::var("HCOMM_TRANSPORT").is_ok_and(|v| v == "shm");
     let ranks = local.len();
     let ring = ring_bytes_for(ranks);
     let shared = share_segment(
@@ -1939,10 +1954,7 @@ fn setup_p2p_shm(
             }
         },
         |name, rest| {
-            let ring: usize = rest
-                .trim()
-                .parse()
-                .map_err(|_| Error::Config(format!("bad shared memory record '{name} {rest}'")))?;
+            let ring = record_size(name, rest)?;
             match P2pShm::attach(name, P2pLayout { ranks, ring }, me) {
                 Ok(s) => Ok(Some(s)),
                 Err(e) => {

@@ -170,15 +170,15 @@ impl Communicator {
         }
         for (r, h) in headers.chunks(4).enumerate() {
             if h[1] != row_len as u64 || h[2] != dtype as u8 as u64 {
-                let theirs = DType::from_code(h[2] as u8).map_or("?".into(), |d| d.to_string());
-                return Err(Error::Mismatch {
-                    ctx: crate::error::OpContext { op: OP, seq: 0 },
-                    peer: r,
-                    msg: format!(
-                        "this rank has rows of {row_len} {dtype} elements, rank {r} rows of {} {theirs} elements",
-                        h[1]
+                return Err(disagreement(
+                    OP,
+                    r,
+                    format!(
+                        "this rank has rows of {row_len} {dtype} elements, rank {r} rows of {} {} elements",
+                        h[1],
+                        dtype_name(h[2])
                     ),
-                });
+                ));
             }
         }
         let counts: Vec<usize> = headers.chunks(4).map(|h| h[0] as usize).collect();
@@ -276,24 +276,21 @@ impl Communicator {
         self.all_gather(&mine, &mut headers)?;
         for (r, h) in headers.chunks(4).enumerate() {
             if h[1] != buf.len() as u64 || h[2] != dtype as u8 as u64 || h[3] != mine[3] {
-                let theirs = DType::from_code(h[2] as u8).map_or("?".into(), |d| d.to_string());
                 let their_op = if h[3] == 1 {
                     ReduceOp::Mean
                 } else {
                     ReduceOp::Sum
                 };
-                return Err(Error::Mismatch {
-                    ctx: crate::error::OpContext {
-                        op: SKIP_OP,
-                        seq: 0,
-                    },
-                    peer: r,
-                    msg: format!(
-                        "this rank has {} bytes of {dtype} ({op}), rank {r} {} bytes of {theirs} ({their_op})",
+                return Err(disagreement(
+                    SKIP_OP,
+                    r,
+                    format!(
+                        "this rank has {} bytes of {dtype} ({op}), rank {r} {} bytes of {} ({their_op})",
                         buf.len(),
-                        h[1]
+                        h[1],
+                        dtype_name(h[2])
                     ),
-                });
+                ));
             }
         }
         let total = headers
@@ -364,6 +361,20 @@ impl Communicator {
 pub const ZERO_BLOCK_BYTES: usize = 1024;
 
 const SKIP_OP: &str = "all_reduce_skipping_zeros";
+
+/// Ranks that disagree, as every rank sees it in the exchanged headers (so all fail together).
+fn disagreement(op: &'static str, peer: usize, msg: String) -> Error {
+    Error::Mismatch {
+        ctx: crate::error::OpContext { op, seq: 0 },
+        peer,
+        msg,
+    }
+}
+
+/// A dtype code from a peer's header, for messages.
+fn dtype_name(code: u64) -> String {
+    DType::from_code(code as u8).map_or("?".into(), |d| d.to_string())
+}
 
 /// Sum rows with equal indices, in the order given (the first occurrence is copied, later ones
 /// added to it); indices come back ascending.

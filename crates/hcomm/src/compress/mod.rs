@@ -439,9 +439,7 @@ impl CompressionState {
         {
             return false; // the call does it all (and reports a wrong length)
         }
-        if self.residual.len() != n {
-            self.residual = vec![0.0; n];
-        }
+        self.size_residual(n);
         let k = d.k(n);
         let (idx, vals) = top_k_take(buf, &mut self.residual, k);
         let mut enc = vec![0u8; 8 * idx.len()];
@@ -456,12 +454,17 @@ impl CompressionState {
         let Some((_, _, enc)) = pending else {
             return;
         };
-        let half = enc.len() / 2;
-        for (ic, vc) in enc[..half].chunks_exact(4).zip(enc[half..].chunks_exact(4)) {
-            let i = u32::from_ne_bytes(ic.try_into().expect("4 bytes")) as usize;
-            if let Some(r) = self.residual.get_mut(i) {
-                *r += f32::from_ne_bytes(vc.try_into().expect("4 bytes"));
-            }
+        if let Ok(codec) = TopK::new((enc.len() / 8).max(1)) {
+            // (made by `prepare` for this residual: the indices are in range)
+            let _ = codec.decode_add(&enc, &mut self.residual);
+        }
+    }
+
+    /// Size the residual for `n` elements: zeros when it was not (a first use, or error
+    /// feedback turned on after the state was bound); kept when it was (`prepare` made it).
+    fn size_residual(&mut self, n: usize) {
+        if self.residual.len() != n {
+            self.residual = vec![0.0; n];
         }
     }
 
@@ -483,10 +486,6 @@ impl CompressionState {
         match self.bound {
             None => {
                 self.bound = Some((n, world, rank));
-                // (a residual `prepare` made for this call is kept)
-                if self.error_feedback && self.compressor.is_lossy() && self.residual.len() != n {
-                    self.residual = vec![0.0; n];
-                }
                 Ok(())
             }
             Some(b) if b == (n, world, rank) => Ok(()),
@@ -564,9 +563,9 @@ impl Communicator {
             return Ok(());
         }
         let ef = state.error_feedback;
-        if ef && state.compressor.is_lossy() && state.residual.len() != buf.len() {
-            // error feedback turned on after the state was bound: start from no residual
-            state.residual = vec![0.0; buf.len()];
+        if ef && state.compressor.is_lossy() {
+            // (first use, or error feedback turned on after binding; kept if `prepare` made it)
+            state.size_residual(buf.len());
         }
         // Error feedback: random-k adds the residual and keeps the sum as the next residual
         // (minus what it sends, below) in one pass; the other compressors add it in their

@@ -1548,9 +1548,7 @@ impl TcpLinks {
             }
             if progress {
                 // (also the spell that ends the operation: for a small message the only one)
-                if let Some(idle) = spinner.reset() {
-                    self.waits.record(idle, self.policy);
-                }
+                spinner.progressed(&mut self.waits, self.policy);
             }
             if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
@@ -1594,9 +1592,7 @@ impl TcpLinks {
             }
             woke = false;
             if progress {
-                if let Some(idle) = spinner.reset() {
-                    self.waits.record(idle, self.policy);
-                }
+                spinner.progressed(&mut self.waits, self.policy);
             } else if spinner.idle() {
                 self.block(ctx, sends, recvs, deadline)?;
                 spinner.woke();

@@ -105,6 +105,14 @@ impl Spinner {
             .map(|(since, seen)| seen.duration_since(since))
     }
 
+    /// Progress was made: restart the spin window and record the idle spell it ended (if
+    /// any) in `history` (spells of waits under `policy`, the transport's own).
+    pub fn progressed(&mut self, history: &mut WaitHistory, policy: WaitPolicy) {
+        if let Some(idle) = self.reset() {
+            history.record(idle, policy);
+        }
+    }
+
     /// The caller blocked in the kernel and woke up (the idle spell goes on).
     pub fn woke(&mut self) {
         if let Some((_, seen)) = &mut self.idle_since {
