@@ -73,7 +73,7 @@ WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "skipzeros", "compressed", 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated [{DEFAULT_MODES}]")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode [10]")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first [2]")
     p.add_argument("--layers", type=int, default=4, help="encoder layers [4]")

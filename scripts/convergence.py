@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", default="0.05,0.01", help="SGD learning rates, one table each [0.05,0.01]")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum [0.9]")
     p.add_argument("--seed", type=int, default=0, help="weights and data order [0]")
-    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help=f"comma-separated [{DEFAULT_COMPRESSORS}]")
+    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help="comma-separated (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="60 steps, 2 ranks only (for tests)")
     p.add_argument("--out", default=str(ROOT / "docs" / "convergence.md"), help="Markdown output [docs/convergence.md]")
     p.add_argument("--json", default="", help="also write every run's result as JSON lines here")

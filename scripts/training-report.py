@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--only", default="", help=f"comma-separated configurations [{','.join(CONFIGS)}]")
     p.add_argument("--steps", type=int, default=0, help="timed steps per mode [8; 6 for the 6x512 model; quick 3]")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per mode [2; quick 1]")
-    p.add_argument("--modes", default=MODES, help=f"[{MODES}]")
+    p.add_argument("--modes", default=MODES, help="comma-separated (default: %(default)s)")
     p.add_argument("--no-netns", action="store_true", help="only the loopback configurations")
     p.add_argument("--out", default=str(ROOT / "docs" / "training-report.md"), help="Markdown [docs/training-report.md]; the plot goes next to it (.svg)")
     p.add_argument("--python", default="", help="Python with hcomm installed [target/python-venv/bin/python if present, else this one]")

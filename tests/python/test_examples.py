@@ -1,8 +1,11 @@
 """Every example in examples/ runs and checks its own results (each rank prints EXAMPLE OK)."""
 
+import subprocess
+import sys
+
 import pytest
 
-from conftest import EXAMPLES, needs_torch, run_job
+from conftest import EXAMPLES, ROOT, needs_torch, run_job
 
 CASES = [
     ("collectives.py", 4),
@@ -28,3 +31,12 @@ def test_every_example_is_tested():
 @pytest.mark.parametrize("script, n", CASES)
 def test_example_runs(script, n):
     run_job(n, [EXAMPLES / script], timeout=180)
+
+
+@pytest.mark.parametrize("script", ["examples/train_ddp.py", "scripts/training-report.py", "scripts/convergence.py"])
+def test_scripts_with_options_print_their_help(script):
+    # Their defaults name compressors such as "topk:1%"; a bare % in a help string made
+    # argparse fail with "unsupported format character" instead of printing the help.
+    out = subprocess.run([sys.executable, ROOT / script, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout and "topk:1%" in out.stdout, out.stdout
