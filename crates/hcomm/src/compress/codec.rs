@@ -500,28 +500,29 @@ fn magnitude(v: &f32) -> u32 {
 /// Of `candidates` (ascending indices, among them every element of magnitude at least that of
 /// the `k`-th largest), the `k` largest by magnitude, lower indices first among equals.
 fn top_k_among(x: &[f32], candidates: &[u32], k: usize) -> Vec<u32> {
-    let mut mags: Vec<u32> = candidates
+    let mags: Vec<u32> = candidates
         .iter()
         .map(|&i| magnitude(&x[i as usize]))
         .collect();
-    let threshold = *mags.select_nth_unstable(candidates.len() - k).1;
-    drop(mags);
-    let above = candidates
-        .iter()
-        .filter(|&&i| magnitude(&x[i as usize]) > threshold)
-        .count();
+    top_k_of(&mags, k).map(|j| candidates[j]).collect()
+}
+
+/// [`top_k_among`] on the candidates' magnitudes alone (`mags[j]` that of the `j`-th
+/// candidate in ascending index order): the positions `j` of the `k` kept, ascending, so
+/// nothing is read from the scattered elements again.
+fn top_k_of(mags: &[u32], k: usize) -> impl Iterator<Item = usize> + '_ {
+    let mut order = mags.to_vec();
+    let threshold = *order.select_nth_unstable(mags.len() - k).1;
+    drop(order);
+    let above = mags.iter().filter(|&&m| m > threshold).count();
     let mut ties = k - above;
-    let mut out = Vec::with_capacity(k);
-    for &i in candidates {
-        let m = magnitude(&x[i as usize]);
-        if m > threshold || (m == threshold && ties > 0) {
-            if m == threshold {
-                ties -= 1;
-            }
-            out.push(i);
+    mags.iter().enumerate().filter_map(move |(j, &m)| {
+        let keep = m > threshold || (m == threshold && ties > 0);
+        if keep && m == threshold {
+            ties -= 1;
         }
-    }
-    out
+        keep.then_some(j)
+    })
 }
 
 /// [`top_k_indices`] by a selection over every element (`0 < k < x.len()`).
@@ -566,16 +567,89 @@ fn may_sample(n: usize, k: usize) -> bool {
 fn top_k_sampled(x: &[f32], k: usize) -> Option<Vec<u32>> {
     let n = x.len();
     let guess = sampled_guess(n, k, |i| magnitude(&x[i]));
-    let mut candidates = Vec::with_capacity(3 * k);
-    for (i, v) in x.iter().enumerate() {
-        if magnitude(v) >= guess {
-            candidates.push(i as u32);
+    let mut candidates = Candidates::with_capacity(3 * k);
+    for (i, &v) in x.iter().enumerate() {
+        if magnitude(&v) >= guess {
+            candidates.push(i as u32, v);
         }
     }
-    if candidates.len() < k || candidates.len() > n / 2 {
+    if candidates.idx.len() < k || candidates.idx.len() > n / 2 {
         return None;
     }
-    Some(top_k_among(x, &candidates, k))
+    Some(candidates.top_k(k).0)
+}
+
+/// Elements at or above a guessed threshold: ascending indices and their values.
+struct Candidates {
+    idx: Vec<u32>,
+    val: Vec<f32>,
+}
+
+impl Candidates {
+    fn with_capacity(n: usize) -> Candidates {
+        Candidates {
+            idx: Vec::with_capacity(n),
+            val: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, index: u32, value: f32) {
+        self.idx.push(index);
+        self.val.push(value);
+    }
+
+    /// The top `k` (`k <= ` their number) as ascending indices and their values.
+    fn top_k(&self, k: usize) -> (Vec<u32>, Vec<f32>) {
+        let mags: Vec<u32> = self.val.iter().map(magnitude).collect();
+        top_k_of(&mags, k)
+            .map(|j| (self.idx[j], self.val[j]))
+            .unzip()
+    }
+}
+
+/// [`top_k_take`]'s pass over one stretch starting at element `base`: `residual += buf`,
+/// `buf = 0`, and the index of every sum of magnitude at least `guess` appended to
+/// `candidates` with its value, in ascending order. Runs of 16 lanes without a branch, so that the
+/// compiler vectorizes them, each giving a bit mask of its candidates.
+fn take_lanes(
+    buf: &mut [f32],
+    residual: &mut [f32],
+    guess: u32,
+    base: usize,
+    candidates: &mut Candidates,
+) {
+    const LANES: usize = 16;
+    let mut at = base;
+    let mut bs = buf.chunks_exact_mut(LANES);
+    let mut rs = residual.chunks_exact_mut(LANES);
+    for (b, r) in (&mut bs).zip(&mut rs) {
+        let mut hits = 0u32;
+        for (j, (b, r)) in b.iter_mut().zip(r.iter_mut()).enumerate() {
+            let x = *b + *r;
+            *r = x;
+            *b = 0.0;
+            hits |= u32::from(magnitude(&x) >= guess) << j;
+        }
+        while hits != 0 {
+            let j = hits.trailing_zeros() as usize;
+            candidates.push((at + j) as u32, r[j]);
+            hits &= hits - 1;
+        }
+        at += LANES;
+    }
+    for (b, r) in bs
+        .into_remainder()
+        .iter_mut()
+        .zip(rs.into_remainder().iter_mut())
+    {
+        let x = *b + *r;
+        *r = x;
+        *b = 0.0;
+        if magnitude(&x) >= guess {
+            candidates.push(at as u32, x);
+        }
+        at += 1;
+    }
 }
 
 /// Top-k with error feedback in one pass over the data: the top `k` of `x = buf + residual`
@@ -594,24 +668,17 @@ pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>,
     let sampled = if k > 0 && k < n && may_sample(n, k) {
         let guess = sampled_guess(n, k, |i| magnitude(&(buf[i] + residual[i])));
         let cap = n / 2;
-        let mut candidates: Vec<u32> = Vec::with_capacity(3 * k);
+        let mut candidates = Candidates::with_capacity(3 * k);
         const CHUNK: usize = 4096;
         for (c, (bc, rc)) in buf
             .chunks_mut(CHUNK)
             .zip(residual.chunks_mut(CHUNK))
             .enumerate()
         {
-            for (j, (b, r)) in bc.iter_mut().zip(rc.iter_mut()).enumerate() {
-                let x = *b + *r;
-                *r = x;
-                *b = 0.0;
-                if magnitude(&x) >= guess {
-                    candidates.push((c * CHUNK + j) as u32);
-                }
-            }
-            if candidates.len() > cap {
+            take_lanes(bc, rc, guess, c * CHUNK, &mut candidates);
+            if candidates.idx.len() > cap {
                 // far too many: finish the pass without collecting
-                candidates = Vec::new();
+                candidates = Candidates::with_capacity(0);
                 let done = ((c + 1) * CHUNK).min(n);
                 for (b, r) in buf[done..].iter_mut().zip(&mut residual[done..]) {
                     *r += *b;
@@ -620,7 +687,7 @@ pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>,
                 break;
             }
         }
-        (candidates.len() >= k).then(|| top_k_among(residual, &candidates, k))
+        (candidates.idx.len() >= k).then(|| candidates.top_k(k))
     } else {
         for (b, r) in buf.iter_mut().zip(residual.iter_mut()) {
             *r += *b;
@@ -628,16 +695,22 @@ pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>,
         }
         None
     };
-    let idx = match sampled {
-        Some(idx) => idx,
+    let (idx, vals) = match sampled {
+        Some(picked) => picked,
         // the sample's guess kept too few (or far too many): the full selection
-        None if k > 0 && k < n && may_sample(n, k) => top_k_exact(residual, k),
-        None => top_k_indices(residual, k),
+        None => {
+            let idx = if k > 0 && k < n && may_sample(n, k) {
+                top_k_exact(residual, k)
+            } else {
+                top_k_indices(residual, k)
+            };
+            let vals = idx.iter().map(|&i| residual[i as usize]).collect();
+            (idx, vals)
+        }
     };
-    let vals = idx
-        .iter()
-        .map(|&i| std::mem::replace(&mut residual[i as usize], 0.0))
-        .collect();
+    for &i in &idx {
+        residual[i as usize] = 0.0;
+    }
     (idx, vals)
 }
 
