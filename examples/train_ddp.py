@@ -105,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--link-gbit", type=float, default=0.0, help="the link's rate, for the utilisation column [unknown]")
     p.add_argument("--label", default="", help="a label copied into every JSON result (e.g. the link)")
     p.add_argument("--json", default="", help="rank 0 appends one JSON object per mode to this file")
+    p.add_argument("--timeline", default="",
+                   help="each rank writes PREFIX.rankN.jsonl: per mode and step, when forward and backward ended, "
+                        "when each gradient was pushed and each bucket arrived (seconds of one monotonic clock, "
+                        "comparable across ranks on one machine) [none]")
     p.add_argument("--quick", action="store_true", help="tiny model (2 layers, hidden 64, vocab 4000, seq 32), 1 + 3 steps")
     a = p.parse_args(argv)
     if a.quick:
@@ -236,15 +240,22 @@ class Trainer:
         self.times, self.waits, self.computes, self.losses = [], [], [], []
         self.sent, self.tcp, self.link = [], [], []
         self.buckets = 0
+        #: --timeline: this step's events, and the file they go to
+        self.events = None
+        self.timeline = open(f"{a.timeline}.rank{rank}.jsonl", "a") if a.timeline else None
 
     def push(self, p):
         self.grad_owner[id(p.grad)] = p
+        if self.events is not None:
+            self.events["push"].append((time.perf_counter(), p.grad.numel() * p.grad.element_size()))
         self.fusion.push(p.grad)
 
     def bucket_arrived(self, grads):
         """fusion.finish's callback: these gradients (every bucket that has arrived since the
         last call) are averaged; step their parameters."""
         t0 = time.perf_counter()
+        if self.events is not None:
+            self.events["arrived"].append((t0, sum(g.numel() * g.element_size() for g in grads)))
         params = [self.grad_owner[id(g)] for g in grads]
         self.step_only(params)
         self.stepped.update(id(p) for p in params)
@@ -283,10 +294,13 @@ class Trainer:
         mb = 1 << 20
         before = comm.traffic() if self.base not in ("local", "ddp-gloo", "ddp-gloo-sparse") else None
         link0 = iface_tx_bytes(a.link_iface)
+        if self.timeline:
+            self.events = {"push": [], "arrived": []}
         t0 = time.perf_counter()
         for p in params:
             p.grad = None
         loss = self.lossf(self.net(x), y)
+        tf = time.perf_counter()
         loss.backward()
         tb = time.perf_counter()
         if self.base == "naive":
@@ -315,6 +329,11 @@ class Trainer:
         self.waits.append(tc - tb)
         self.computes.append((tb - t0) + (t1 - tc))
         self.losses.append(loss.item())
+        if self.timeline:
+            ev = {"mode": self.mode, "step": i, "start": t0, "forward_end": tf, "backward_end": tb,
+                  "comm_end": tc + self.early_s, "end": t1, **self.events}
+            self.timeline.write(json.dumps(ev) + "\n")
+            self.events = None
         return before, link0
 
     def account(self, before, link0):

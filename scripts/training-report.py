@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import socket
 import statistics
@@ -75,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(ROOT / "docs" / "training-report.md"), help="Markdown [docs/training-report.md]; the plot goes next to it (.svg)")
     p.add_argument("--python", default="", help="Python with hcomm installed [target/python-venv/bin/python if present, else this one]")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per configuration [600]")
+    p.add_argument("--train-args", default="", help="more examples/train_ddp.py arguments, e.g. \"--timeline /tmp/t\" [none]")
     p.add_argument("--from-jsonl", default="", help="write the report from a previous run's .jsonl instead of running")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
@@ -107,7 +109,7 @@ def train_args(a, name):
     args = [str(TRAIN), "--modes", modes, "--steps", str(steps), "--warmup", str(warmup), "--label", name]
     if a.quick:
         args.append("--quick")
-    return args + extra
+    return args + extra + shlex.split(a.train_args)
 
 
 def parse_results(out):
