@@ -641,6 +641,14 @@ impl Communicator {
             links.attach_shm(Arc::new(s), &local);
         }
         let hier_layout = compute_hierarchical_layout(&hosts, rank);
+        if server.is_some() {
+            // The store lives as long as this communicator: wait for every rank to be done
+            // with it, so that dropping the communicator at once cannot take it away from a
+            // rank still setting up (that rank would wait out its timeout).
+            wait_until_built(&mut store, &comm_id, size, timeout)?;
+        } else {
+            mark_built(&mut store, &comm_id, size)?;
+        }
         drop(store);
         Ok(Communicator {
             rank,
@@ -1723,6 +1731,39 @@ fn p2p_protocol(
         return Err(e);
     }
     earlier_nack(links)
+}
+
+/// This rank is done with the store's part of setting up communicator `comm_id`: the last of
+/// its `size` ranks to say so publishes that every rank is.
+fn mark_built(store: &mut StoreClient, comm_id: &str, size: usize) -> Result<()> {
+    let err = |e: crate::bootstrap::store::StoreError| {
+        Error::Config(format!("setting up '{comm_id}': {e}"))
+    };
+    if store.add(&format!("{comm_id}/built"), 1).map_err(err)? == size as i64 {
+        store
+            .set(&format!("{comm_id}/built/all"), b"1")
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// [`mark_built`], then wait until every rank of `comm_id` has (for the rank whose
+/// communicator holds the store).
+fn wait_until_built(
+    store: &mut StoreClient,
+    comm_id: &str,
+    size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    mark_built(store, comm_id, size)?;
+    store
+        .get(&format!("{comm_id}/built/all"), timeout)
+        .map(|_| ())
+        .map_err(|e| {
+            Error::Config(format!(
+                "setting up '{comm_id}': not every one of its {size} ranks finished within {timeout:?} ({e})"
+            ))
+        })
 }
 
 /// What came of [`share_segment`].

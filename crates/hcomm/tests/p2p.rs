@@ -1068,3 +1068,20 @@ fn ranks_that_disagree_on_tcp_only_fail_at_once_naming_the_variable() {
         assert!(e.contains("HCOMM_TRANSPORT differs"), "rank {rank}: {e}");
     }
 }
+
+#[test]
+fn a_communicator_dropped_at_once_does_not_strand_a_rank_still_setting_up() {
+    // Rank 0 hosts the rendezvous store, and every rank drops its communicator as soon as it
+    // has it. Creation is collective: rank 0's waits until every rank is done with the store.
+    // Before, rank 0 could return while host b's ranks were still sharing their segment
+    // through the store, and one of them waited out its timeout for a key that never came
+    // (in 2 of 2 runs of this loop, by its third job).
+    for job in 0..20 {
+        let made = hcomm::testing::run_threads_on_hosts(
+            &["a", "a", "b", "b"],
+            Duration::from_secs(5),
+            |c| Ok(c.rank()),
+        );
+        assert_eq!(all_ok(made), vec![0, 1, 2, 3], "job {job}");
+    }
+}
