@@ -204,7 +204,8 @@ struct BenchArgs {
     /// Root rank.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     root: usize,
-    /// Force an algorithm (ring, rd, tree, chain, …).
+    /// Force an algorithm (ring, rd, tree, chain, …); for fusion and compression, the
+    /// all-reduce's.
     #[arg(long, default_value = "auto")]
     algo: String,
     /// Transport: auto (shared memory when all ranks share a host), tcp, shm.
@@ -485,6 +486,23 @@ fn join_for_bench(transport: &str) -> Result<Communicator, String> {
         .map_err(|e| format!("hcomm: cannot join the job: {e}"))
 }
 
+/// `--algo` for the benchmarks built on the all-reduce (fusion, compression): set it for the
+/// all-reduce (`auto` leaves `HCOMM_ALGO` or the default in force).
+fn all_reduce_algo_for_bench(comm: &Communicator, algo: &str, what: &str) -> Result<(), ExitCode> {
+    let algo: Algo = algo.parse().map_err(|e| {
+        hcomm_cli::say!("{what}: --algo: {e}");
+        ExitCode::from(2)
+    })?;
+    if algo != Algo::Auto {
+        comm.set_algorithm(hcomm::Collective::AllReduce, algo)
+            .map_err(|e| {
+                hcomm_cli::say!("{what}: --algo {algo}: {e}");
+                ExitCode::from(2)
+            })?;
+    }
+    Ok(())
+}
+
 fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
     if !positive(a.scale) || !a.caps.iter().all(|&c| positive(c)) {
         hcomm_cli::say!("hcomm bench fusion: --scale and --caps must be positive");
@@ -497,6 +515,9 @@ fn cmd_bench_fusion(a: BenchArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Err(code) = all_reduce_algo_for_bench(&comm, &a.algo, "hcomm bench fusion") {
+        return code;
+    }
     let o = hcomm_cli::fusion_bench::FusionBenchOpts {
         steps: a.steps,
         caps_mib: a.caps,
@@ -657,6 +678,9 @@ fn cmd_bench_compression(a: BenchArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Err(code) = all_reduce_algo_for_bench(&comm, &a.algo, "hcomm bench compression") {
+        return code;
+    }
     let o = hcomm_cli::compression_bench::CompressionBenchOpts {
         bytes: a.size,
         steps: a.steps,

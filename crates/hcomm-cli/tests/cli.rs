@@ -242,6 +242,31 @@ fn bench_compression_measures_every_compressor() {
     );
     assert_eq!(code, Some(2));
     assert!(err.contains("block size 0"), "{err}");
+    // --algo applies to the all-reduce the compressors are built on (it was ignored)
+    let (code, _, err) = hcomm(
+        &["bench", "compression", "-np", "2", "--algo", "bogus"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--algo: unknown algorithm 'bogus'"), "{err}");
+    let (code, out, err) = hcomm(
+        &[
+            "bench",
+            "compression",
+            "-np",
+            "2",
+            "--size",
+            "64K",
+            "--steps",
+            "1",
+            "--compressors",
+            "none",
+            "--algo",
+            "rd",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
 }
 
 #[test]
