@@ -196,7 +196,7 @@ impl Codec for Half {
         self.decode_with(bytes, out, false)
     }
 
-    /// One pass in chunks of [`HALF_BLOCK`]: `x + residual` into a stack scratch, encoded,
+    /// One pass in chunks of `HALF_BLOCK` elements: `x + residual` into a stack scratch, encoded,
     /// decoded back, and the difference left in `residual`.
     fn encode_keeping_error(
         &mut self,

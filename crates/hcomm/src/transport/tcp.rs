@@ -12,7 +12,7 @@
 //!   and communicator and, with a job token, both sides prove they know it. A thread per
 //!   communicator accepts connections and authenticates each on a short-lived thread of its own
 //!   (at most [`crate::auth::MAX_PENDING`] at once, each within
-//!   [`PRE_AUTH_DEADLINE`](crate::auth::PRE_AUTH_DEADLINE)), so strangers, garbage and silent
+//!   [`crate::auth::PRE_AUTH_DEADLINE`]), so strangers, garbage and silent
 //!   connections are dropped without ever reaching, or stalling, the progress loop; only
 //!   authenticated sockets are handed to it.
 //! * With `nsocks` > 1 (`HCOMM_NSOCKS`) a link is that many sockets: whoever opened socket 0
@@ -87,7 +87,7 @@ pub fn stripes(len: usize, nsocks: usize) -> usize {
 }
 
 /// Byte range `[lo, hi)` of stripe `i` of `n` of a `len`-byte payload: contiguous slices of
-/// `⌈len / n⌉` rounded up to [`STRIPE_ALIGN`], the last one taking the rest. Both ends of a
+/// `⌈len / n⌉` rounded up to `STRIPE_ALIGN`, the last one taking the rest. Both ends of a
 /// link compute the same cut from the length alone.
 pub fn stripe_bounds(len: usize, n: usize, i: usize) -> (usize, usize) {
     if n <= 1 {
