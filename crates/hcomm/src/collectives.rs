@@ -139,15 +139,43 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        if let Some(s) = send {
+            recv.copy_from_slice(s);
+        }
+        let inner_op = if op == ReduceOp::Mean {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        self.hierarchically("all_reduce", recv, dtype, op, |across, slice, _| {
+            across.all_reduce_bytes(None, slice, dtype, inner_op)
+        })?;
+        self.inject_fault(recv);
+        Ok(())
+    }
+
+    /// The hierarchical schedule of an all-reduce of `buf` in place: reduce-scatter (with
+    /// `op`, `Sum` for `Mean`) within the host over shared memory, `across` on this rank's
+    /// slice (its bytes, and its element range in `buf`) with the same-index ranks of the
+    /// other hosts, all-gather within the host; `Mean` divides at the end. Slices are
+    /// [`hierarchical_slice`](Self::hierarchical_slice)'s.
+    pub(crate) fn hierarchically(
+        &self,
+        op_name: &'static str,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        across: impl FnOnce(&Communicator, &mut [u8], std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
         // Called in this operation's turn (see `all_reduce_bytes`): the sub-communicators are
         // made (collective splits of this communicator) inside it, so they happen at the same
         // point of the issue order on every rank, and the hierarchy lock is only ever taken by
         // the holder of the turn (taking it before the turn deadlocks against an asynchronous
         // hierarchical all-reduce that holds the turn and waits for the lock).
         let h = self.hierarchy()?;
-        // The sub-communicators' bytes count as this all-reduce's (declared before the lock,
+        // The sub-communicators' bytes count as this operation's (declared before the lock,
         // so it ends after it).
-        let _traffic = crate::traffic::TrafficScope::enter(self, "all_reduce");
+        let _traffic = crate::traffic::TrafficScope::enter(self, op_name);
         // The parent's lock: abort and poisoning apply, calls stay serialised, a failure poisons.
         // A failure, here or in either sub-communicator, is told to the peers of both: a rank
         // waits for this one in a sub-communicator, whichever failed.
@@ -157,13 +185,10 @@ impl Communicator {
                 h.across.fail_with(e);
             }
         };
-        let (mut inner, _ctx) = self.lock("all_reduce").inspect_err(tell)?;
+        let (mut inner, _ctx) = self.lock(op_name).inspect_err(tell)?;
         let result = (|| {
             for c in [&h.within, &h.across] {
                 c.set_timeout(self.timeout());
-            }
-            if let Some(s) = send {
-                recv.copy_from_slice(s);
             }
             let inner_op = if op == ReduceOp::Mean {
                 ReduceOp::Sum
@@ -171,26 +196,32 @@ impl Communicator {
                 op
             };
             let l = h.within.world_size();
-            let segs = even_segments(recv.len() / dtype.size(), l, dtype.size());
+            let count = buf.len() / dtype.size();
+            let segs = even_segments(count, l, dtype.size());
             let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
             let mine = segs[h.within.rank()].clone();
+            let elements = mine.start / dtype.size()..mine.end / dtype.size();
             h.within
-                .reduce_scatter_v_bytes(None, recv, &counts, dtype, inner_op)?;
-            h.across
-                .all_reduce_bytes(None, &mut recv[mine], dtype, inner_op)?;
-            h.within.all_gather_v_bytes(None, recv, &counts, dtype)?;
+                .reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)?;
+            across(&h.across, &mut buf[mine], elements)?;
+            h.within.all_gather_v_bytes(None, buf, &counts, dtype)?;
             if op == ReduceOp::Mean {
-                finalize_mean(dtype, recv, self.world_size());
+                finalize_mean(dtype, buf, self.world_size());
             }
             Ok(())
         })();
         if let Err(e) = &result {
             tell(e);
         }
-        Self::finish_collective(&mut inner, result)?;
-        drop(inner);
-        self.inject_fault(recv);
-        Ok(())
+        Self::finish_collective(&mut inner, result)
+    }
+
+    /// The elements of `count` whose host sum this rank reduces across hosts in the
+    /// hierarchical schedule ([`hierarchically`](Self::hierarchically)), when the ranks form
+    /// a hierarchy (`None` otherwise).
+    pub(crate) fn hierarchical_slice(&self, count: usize) -> Option<std::ops::Range<usize>> {
+        let (_, local, per_host) = self.hierarchical_layout()?;
+        Some(even_segments(count, per_host, 1)[local].clone())
     }
 
     // ===== all-gather =====

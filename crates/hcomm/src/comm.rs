@@ -1159,15 +1159,19 @@ impl Communicator {
     /// The algorithm the selector would use for `coll` on `bytes` bytes per rank (after
     /// `HCOMM_ALGO` and [`set_algorithm`](Self::set_algorithm)).
     pub fn algorithm_for(&self, coll: Collective, bytes: usize) -> Algo {
-        let forced = self
-            .inner
+        self.select(coll, bytes, self.forced_algorithm(coll))
+    }
+
+    /// The algorithm set for `coll` ([`set_algorithm`](Self::set_algorithm) or
+    /// `HCOMM_ALGO`), `Auto` when none is.
+    pub(crate) fn forced_algorithm(&self, coll: Collective) -> Algo {
+        self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .algo
             .get(&coll)
             .copied()
-            .unwrap_or(Algo::Auto);
-        self.select(coll, bytes, forced)
+            .unwrap_or(Algo::Auto)
     }
 
     fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize) -> Algo {
