@@ -209,6 +209,14 @@ class CompressionState:
         return None if r is None else (int(r[0]), int(r[1]))
 
     @property
+    def slice(self) -> "Optional[tuple[int, int]]":
+        """int8 and sign on several hosts of several ranks: (start, end) of the elements whose
+        host sum this rank compresses across hosts (:attr:`residual` is then theirs), once
+        used; None otherwise."""
+        r = self._s.slice
+        return None if r is None else (int(r[0]), int(r[1]))
+
+    @property
     def memory_bytes(self) -> int:
         """Bytes the residuals hold."""
         return self._s.memory_bytes

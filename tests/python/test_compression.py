@@ -45,6 +45,7 @@ def test_compressors_parse_to_their_canonical_form(given, canonical):
     st = hcomm.CompressionState(given)
     assert st.compressor == canonical
     assert st.error_feedback and st.steps == 0 and st.residual.size == 0 and st.owner_range is None
+    assert st.slice is None
     assert canonical in repr(st)
 
 
@@ -215,6 +216,13 @@ def test_compression_across_ranks_over_tcp():
     """TCP: the counters show the wire formats' ratios."""
     out = run_job(3, [WORKERS / "compression.py", "numpy"], env={"HCOMM_TRANSPORT": "tcp"}, timeout=120)
     assert "ok traffic counters (tcp)" in out
+
+
+def test_compression_on_two_hosts_of_two_ranks():
+    """int8 and sign hierarchical (each rank's residual covers its slice of the host sum);
+    results identical everywhere, error feedback conserves the inputs."""
+    out = run_job(4, [WORKERS / "compression.py", "numpy"], env={"COMPRESSION_TEST_HOSTS": "2"}, timeout=180)
+    assert "ok error feedback" in out and "ok fusion with compression" in out
 
 
 @needs_torch

@@ -106,6 +106,14 @@ impl PyCompression {
         self.with(py, |s| s.owner_range().map(|r| (r.start, r.end)))
     }
 
+    /// int8 and sign on several hosts of several ranks: (start, end) of the elements whose
+    /// host sum this rank compresses across hosts (`residual` and `owner_range` then refer to
+    /// them), once the state was used; None otherwise.
+    #[getter]
+    fn slice(&self, py: Python<'_>) -> Option<(usize, usize)> {
+        self.with(py, |s| s.slice().map(|r| (r.start, r.end)))
+    }
+
     /// Bytes of memory the residuals hold.
     #[getter]
     fn memory_bytes(&self, py: Python<'_>) -> usize {
