@@ -1503,20 +1503,46 @@ impl Communicator {
             inner.splits += 1;
             inner.splits
         };
-        let Some(color) = color else { return Ok(None) };
+        let id_of = |c: i64| format!("{}/split{split_no}/c{c}", self.comm_id);
+        // The rank holding the store waits until every new communicator is built, its own
+        // (see `build`) and the others (it may be in none of them), so that dropping its
+        // communicators at once cannot take the store away from ranks still setting up.
+        let wait_for_the_others = |own: Option<i64>| -> Result<()> {
+            if self._server.is_none() {
+                return Ok(());
+            }
+            let deadline = Instant::now() + self.timeout();
+            let colors: std::collections::BTreeSet<i64> = (0..self.size)
+                .map(|r| all[2 * r])
+                .filter(|&c| c >= 0)
+                .collect();
+            for c in colors.into_iter().filter(|&c| Some(c) != own) {
+                self.store_get(&format!("{}/built/all", id_of(c)), deadline)?;
+            }
+            Ok(())
+        };
+        let Some(color) = color else {
+            wait_for_the_others(None)?;
+            return Ok(None);
+        };
         let mut members: Vec<(i64, usize)> = (0..self.size)
             .filter(|&r| all[2 * r] == color as i64)
             .map(|r| (all[2 * r + 1], r))
             .collect();
         members.sort();
         let ranks: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
-        let id = format!("{}/split{split_no}/c{color}", self.comm_id);
-        self.sub_communicator(id, &ranks).map(Some)
+        let sub = self.sub_communicator(id_of(color as i64), &ranks)?;
+        wait_for_the_others(Some(color as i64))?;
+        Ok(Some(sub))
     }
 
     /// A communicator of `ranks` (in that order: the new rank of `ranks[i]` is `i`). Only the
     /// members call it, each with the same list; calling it again with the same list makes a
     /// new, independent communicator.
+    ///
+    /// Its setup goes through the job's rendezvous store, which rank 0 of the job holds: rank 0
+    /// must keep this communicator (or one made from it) until the group's members have it.
+    /// [`split`](Self::split), which every rank calls, waits for that itself.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Communicator> {
         // One turn for the whole call (see `split`).
         let _turn = self.engine.turns.enter();
