@@ -558,6 +558,40 @@ impl CompressionState {
         Ok(&mut self.across.as_mut().expect("made above").1)
     }
 
+    /// Switching to the hierarchical form: the flat residuals (this rank's, and its owner
+    /// chunk's, in the sum's units) are added to `buf` and dropped. The sum over the ranks is
+    /// linear, so adding to one rank's input is adding to the sum.
+    fn fold_flat_residuals(&mut self, buf: &mut [f32]) {
+        for (x, r) in buf.iter_mut().zip(&self.residual) {
+            *x += *r;
+        }
+        self.residual = Vec::new();
+        if let Some(o) = self.owner.take() {
+            for (x, r) in buf[o].iter_mut().zip(&self.owner_residual) {
+                *x += *r;
+            }
+        }
+        self.owner_residual = Vec::new();
+    }
+
+    /// Switching to the flat form: the hierarchical state's residuals (of this rank's slice
+    /// of the host sum, and of its owner chunk within it) are added to `buf` and dropped.
+    fn fold_across_residuals(&mut self, buf: &mut [f32]) {
+        let Some(a) = self.across.take() else {
+            return;
+        };
+        let (slice, st) = *a;
+        for (x, r) in buf[slice.clone()].iter_mut().zip(&st.residual) {
+            *x += *r;
+        }
+        if let Some(o) = st.owner {
+            let o = slice.start + o.start..slice.start + o.end;
+            for (x, r) in buf[o].iter_mut().zip(&st.owner_residual) {
+                *x += *r;
+            }
+        }
+    }
+
     /// Whether `compressor` runs hierarchically on a hierarchy: the two-stage codecs, int8
     /// and sign. fp16/bf16 and random-k are dense all-reduces, hierarchical already. Top-k
     /// stays flat: its picks are sparse, and reducing the host's dense sum costs more than
@@ -645,16 +679,29 @@ impl Communicator {
         // One unit: the collectives below run back to back in this operation's turn.
         let _turn = self.engine().turns.enter();
         let _traffic = TrafficScope::enter(self, OP);
+        // Hierarchical or flat (decided in the turn); a state kept for another slice is
+        // refused before anything changes.
+        let slice = match buf.is_empty() {
+            true => None,
+            false => self.compressed_slice(state.compressor, buf.len()),
+        };
+        if let Some(slice) = &slice {
+            let (_, local, _) = self.hierarchical_layout().expect("a hierarchy");
+            state.across_state(slice.clone(), local)?;
+        }
         let step = state.steps;
         state.steps += 1;
         if buf.is_empty() {
             return Ok(());
         }
-        if let Some(slice) = self.compressed_slice(state.compressor, buf.len()) {
+        if slice.is_some() {
             // (`prepare` makes encodings for top-k only, which stays flat)
             debug_assert!(pending.is_none());
-            return self.all_reduce_compressed_across_hosts(buf, op, state, slice);
+            return self.all_reduce_compressed_across_hosts(buf, op, state);
         }
+        // What a hierarchical use of this state kept joins the input (a forced algorithm, or
+        // the state used on another communicator of this size).
+        state.fold_across_residuals(buf);
         let ef = state.error_feedback;
         if ef && state.compressor.is_lossy() {
             // (first use, or error feedback turned on after binding; kept if `prepare` made it)
@@ -774,18 +821,9 @@ impl Communicator {
         buf: &mut [f32],
         op: ReduceOp,
         state: &mut CompressionState,
-        slice: std::ops::Range<usize>,
     ) -> Result<()> {
-        let (_, local, _) = self.hierarchical_layout().expect("a hierarchy");
-        state.across_state(slice, local)?;
-        // This rank's own residual (of a state used on a flat communicator before) joins its
-        // input, so nothing it dropped is lost.
-        if !state.residual.is_empty() {
-            for (x, r) in buf.iter_mut().zip(&state.residual) {
-                *x += *r;
-            }
-            state.residual = Vec::new();
-        }
+        // What a flat use of this state kept joins the input, so nothing it dropped is lost.
+        state.fold_flat_residuals(buf);
         let across = &mut state.across.as_mut().expect("made above").1;
         self.hierarchically(
             OP,
