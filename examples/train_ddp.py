@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence [128]")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step [8]")
     p.add_argument("--classes", type=int, default=4, help="classes [4]")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="held-out batches (the same on every rank) whose accuracy each mode's model is scored on "
+                        "after the timed steps [4]")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout [0.1]")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate [1e-3]")
     p.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
@@ -174,6 +177,17 @@ def make_data(a, rank):
     return out
 
 
+def make_eval(a):
+    """Held-out batches, the same on every rank and in every mode (another seed than the
+    training data's)."""
+    g = torch.Generator().manual_seed(a.seed * 1000003 + 999_999_937)
+    out = []
+    for _ in range(a.eval_batches):
+        x = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        out.append((x, x[:, 0] % a.classes))
+    return out
+
+
 def iface_tx_bytes(iface):
     """Bytes interface `iface` of this process's network namespace has sent (/proc/net/dev),
     or None without an interface name."""
@@ -240,6 +254,7 @@ class Trainer:
         self.times, self.waits, self.computes, self.losses = [], [], [], []
         self.sent, self.tcp, self.link = [], [], []
         self.buckets = 0
+        self.eval_acc = None
         #: --timeline: this step's events, and the file they go to
         self.events = None
         self.timeline = open(f"{a.timeline}.rank{rank}.jsonl", "a") if a.timeline else None
@@ -347,6 +362,17 @@ class Trainer:
         if link0 is not None:
             self.link.append(link1 - link0)
 
+    def evaluate(self, batches):
+        """Accuracy of this mode's model (dropout off) on the held-out `batches`."""
+        self.model.eval()
+        right = total = 0
+        with torch.no_grad():
+            for x, y in batches:
+                right += int((self.model(x).argmax(dim=1) == y).sum())
+                total += len(y)
+        self.model.train()
+        return right / total if total else None
+
     def summary(self, world):
         a = self.a
         with torch.no_grad():
@@ -366,6 +392,7 @@ class Trainer:
             "local_rank": self.comm._c.local_rank,
             "csum": [float(flat.double().sum()), float(flat.double().abs().sum())],
             "buckets": self.buckets,
+            "eval_acc": self.eval_acc,
         }
 
 
@@ -408,6 +435,9 @@ def summarize(a, mode, every, world):
         # every step's loss (warm-up included), mean over ranks
         "loss_curve": [statistics.mean(r["losses"][i] for r in every) for i in range(len(every[0]["losses"]))],
         "replicas_identical": all(r["csum"] == every[0]["csum"] for r in every),
+        # accuracy on the held-out batches after the timed steps, mean over ranks (the
+        # replicas are identical in every mode but local)
+        "eval_acc": statistics.mean(r["eval_acc"] for r in every) if every[0]["eval_acc"] is not None else None,
         "buckets": every[0]["buckets"],
     }
 
@@ -422,6 +452,9 @@ def train(a, comm, gloo, meta, rank, world):
             marks = t.step(i)
             dist.barrier(group=meta)  # every rank done with this mode's step: its bytes have arrived
             t.account(*marks)
+    held_out = make_eval(a)
+    for t in trainers:
+        t.eval_acc = t.evaluate(held_out)
     results = []
     for t in trainers:
         mine = t.summary(world)
@@ -460,13 +493,14 @@ def main(argv=None) -> int:
         print(f"# {world} ranks on {results[0]['hosts']} host(s), model {results[0]['model']} "
               f"({results[0]['params'] / 1e6:.2f} M parameters, {results[0]['grad_bytes'] / 1e6:.1f} MB of gradients), "
               f"{a.steps} timed steps", flush=True)
-        print(f"{'mode':22s} {'step ms':>8s} {'wait ms':>8s} {'exposed':>8s} {'hcomm MB':>9s} {'link MB':>8s} {'util':>6s} {'loss':>8s}  identical", flush=True)
+        print(f"{'mode':22s} {'step ms':>8s} {'wait ms':>8s} {'exposed':>8s} {'hcomm MB':>9s} {'link MB':>8s} {'util':>6s} {'loss':>8s} {'eval acc':>8s}  identical", flush=True)
         for r in results:
             exposed = (r["step_ms"] - local) / r["step_ms"] if local and r["mode"] != "local" else None
             print(f"{r['mode']:22s} {r['step_ms']:8.1f} {fmt(r['wait_ms'], '%8.1f', '       -')} {fmt(exposed, '%8.3f', '       -')} "
                   f"{fmt(r['hcomm_sent_per_step'] and r['hcomm_sent_per_step'] / 1e6, '%9.2f', '        -')} "
                   f"{fmt(r['link_bytes_per_step'] and r['link_bytes_per_step'] / 1e6, '%8.2f', '       -')} "
-                  f"{fmt(r['link_util'], '%6.2f', '     -')} {r['loss']:8.4f}  {'-' if r['mode'] == 'local' else 'yes' if r['replicas_identical'] else 'NO'}", flush=True)
+                  f"{fmt(r['link_util'], '%6.2f', '     -')} {r['loss']:8.4f} {fmt(r['eval_acc'], '%8.3f', '       -')}  "
+                  f"{'-' if r['mode'] == 'local' else 'yes' if r['replicas_identical'] else 'NO'}", flush=True)
             if r["mode"] != "local" and world > 1 and not r["replicas_identical"]:
                 print(f"# ERROR: {r['mode']}: ranks ended with different parameters", file=sys.stderr, flush=True)
                 ok = False

@@ -44,6 +44,10 @@ def test_train_ddp_quick_every_mode(tmp_path):
         if mode != "local":
             assert r["replicas_identical"], mode
             assert abs(r["loss"] - naive["loss"]) <= TOLERANCE.get(mode, 0.0), (mode, r["loss"], naive["loss"])
+    # held-out accuracy after the steps: 4 batches of 4 (--quick: 16 samples), a share of them
+    for mode, r in results.items():
+        assert r["eval_acc"] is not None and 0.0 <= r["eval_acc"] <= 1.0, (mode, r["eval_acc"])
+        assert round(r["eval_acc"] * 16) == r["eval_acc"] * 16 or mode == "local", (mode, r["eval_acc"])
     # without averaging the ranks' models drift apart: the check above can fail
     assert not results["local"]["replicas_identical"]
     assert results["local"]["loss"] != naive["loss"]
@@ -89,6 +93,7 @@ def test_training_report_quick_on_loopback(tmp_path):
     assert p.returncode == 0, p.stdout
     text = out.read_text()
     assert "## loopback, 2 ranks" in text and "| compressed:topk:1% |" in text and "| ddp-gloo |" in text, text
+    assert "| eval acc. |" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
     assert svg.count("<polyline") == 13  # a loss curve per mode
