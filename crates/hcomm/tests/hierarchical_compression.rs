@@ -194,29 +194,17 @@ fn error_feedback_on_a_hierarchy_conserves_the_sum_of_inputs() {
                     "rank {r}: {ctx}"
                 );
             }
-            let mut lhs = vec![0f64; n];
-            let mut scale = vec![0f64; n];
-            for step in &runs[0].0 {
-                lhs.iter_mut().zip(step).for_each(|(a, &b)| *a += b as f64);
-            }
             let mut covered = vec![0usize; n];
             for (_, st) in &runs {
                 let slice = st.slice().expect("hierarchical");
                 assert_eq!(st.residual().len(), slice.len(), "{ctx}");
-                for (i, r) in slice.clone().zip(st.residual()) {
-                    lhs[i] += *r as f64;
-                    scale[i] += r.abs() as f64;
-                    covered[i] += 1;
-                }
+                slice.for_each(|i| covered[i] += 1);
                 if let Some(range) = st.owner_range() {
+                    let slice = st.slice().expect("hierarchical");
                     assert!(
                         range.start >= slice.start && range.end <= slice.end,
                         "{ctx}"
                     );
-                    for (i, r) in range.zip(st.owner_residual()) {
-                        lhs[i] += *r as f64;
-                        scale[i] += r.abs() as f64;
-                    }
                 }
             }
             let hosts = hosts_of(layout).len();
@@ -224,25 +212,56 @@ fn error_feedback_on_a_hierarchy_conserves_the_sum_of_inputs() {
                 covered.iter().all(|&c| c == hosts),
                 "{ctx}: each element's residual is on one rank per host"
             );
-            let mut rhs = vec![0f64; n];
-            for r in 0..layout.len() {
-                for t in 0..steps {
-                    for (i, v) in gradient(r, n, t).iter().enumerate() {
-                        rhs[i] += *v as f64;
-                        scale[i] += v.abs() as f64;
-                    }
-                }
-            }
-            for i in 0..n {
-                let tol = 1e-5 * scale[i] + 1e-9;
-                assert!(
-                    (lhs[i] - rhs[i]).abs() <= tol,
-                    "{ctx} [{i}]: {} vs {} (tol {tol})",
-                    lhs[i],
-                    rhs[i]
-                );
+            assert_conserved(layout.len(), n, steps, &runs, &ctx);
+        }
+    }
+}
+
+/// Error feedback's law after `steps` steps of [`gradient`]s on `world` ranks: the sum of
+/// the results (rank 0's) + every rank's residual (placed at its slice, or the whole vector)
+/// and owner residual == the sum of every input, to f32 rounding.
+fn assert_conserved(
+    world: usize,
+    n: usize,
+    steps: u64,
+    runs: &[(Vec<Vec<f32>>, CompressionState)],
+    ctx: &str,
+) {
+    let mut lhs = vec![0f64; n];
+    let mut scale = vec![0f64; n];
+    for step in &runs[0].0 {
+        lhs.iter_mut().zip(step).for_each(|(a, &b)| *a += b as f64);
+    }
+    for (_, st) in runs {
+        let base = st.slice().map_or(0, |s| s.start);
+        for (i, v) in st.residual().iter().enumerate() {
+            lhs[base + i] += *v as f64;
+            scale[base + i] += v.abs() as f64;
+        }
+        if let Some(o) = st.owner_range() {
+            for (i, v) in o.zip(st.owner_residual()) {
+                lhs[i] += *v as f64;
+                scale[i] += v.abs() as f64;
             }
         }
+    }
+    let mut rhs = vec![0f64; n];
+    for r in 0..world {
+        for t in 0..steps {
+            for (i, v) in gradient(r, n, t).iter().enumerate() {
+                rhs[i] += *v as f64;
+                scale[i] += v.abs() as f64;
+            }
+        }
+    }
+    for i in 0..n {
+        let tol = 1e-5 * scale[i] + 1e-9;
+        assert!(
+            (lhs[i] - rhs[i]).abs() <= tol,
+            "{ctx} [{i}]: {} vs {} (tol {tol})",
+            lhs[i],
+            rhs[i]
+        );
     }
 }
 
@@ -415,47 +434,14 @@ fn a_state_switching_between_flat_and_hierarchical_keeps_what_it_dropped() {
             }
             Ok((results, st))
         });
-        let mut lhs = vec![0f64; n];
-        let mut scale = vec![0f64; n];
-        for step in &out[0].0 {
-            lhs.iter_mut().zip(step).for_each(|(a, &b)| *a += b as f64);
-        }
         for (r, (results, st)) in out.iter().enumerate() {
             assert_eq!(bits(&results[3]), bits(&out[0].0[3]), "rank {r}: {ctx}");
             let hierarchical_last = order[3] == Algo::Auto;
             assert_eq!(st.slice().is_some(), hierarchical_last, "rank {r}: {ctx}");
-            let base = st.slice().map_or(0, |s| s.start);
             let want_len = st.slice().map_or(n, |s| s.len());
             assert_eq!(st.residual().len(), want_len, "rank {r}: {ctx}");
-            for (i, v) in st.residual().iter().enumerate() {
-                lhs[base + i] += *v as f64;
-                scale[base + i] += v.abs() as f64;
-            }
-            if let Some(o) = st.owner_range() {
-                for (i, v) in o.zip(st.owner_residual()) {
-                    lhs[i] += *v as f64;
-                    scale[i] += v.abs() as f64;
-                }
-            }
         }
-        let mut rhs = vec![0f64; n];
-        for r in 0..4 {
-            for t in 0..steps {
-                for (i, v) in gradient(r, n, t).iter().enumerate() {
-                    rhs[i] += *v as f64;
-                    scale[i] += v.abs() as f64;
-                }
-            }
-        }
-        for i in 0..n {
-            let tol = 1e-5 * scale[i] + 1e-9;
-            assert!(
-                (lhs[i] - rhs[i]).abs() <= tol,
-                "{ctx} [{i}]: {} vs {}",
-                lhs[i],
-                rhs[i]
-            );
-        }
+        assert_conserved(4, n, steps, &out, &ctx);
     }
 }
 
