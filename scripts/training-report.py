@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="train_ddp --quick (tiny model, 1 + 3 steps), no 6x512 run")
     p.add_argument("--only", default="", help=f"comma-separated configurations [{','.join(CONFIGS)}]")
-    p.add_argument("--steps", type=int, default=0, help="timed steps per mode [8; 6 for the 6x512 model; quick 3]")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per mode [8; 10 for the 6x512 model at 1 Gbit/s; 3 at 100 Mbit/s and quick]")
     p.add_argument("--warmup", type=int, default=0, help="untimed steps per mode [2; quick 1]")
     p.add_argument("--modes", default=MODES, help="comma-separated (default: %(default)s)")
     p.add_argument("--no-netns", action="store_true", help="only the loopback configurations")
@@ -103,7 +103,7 @@ def parse_args(argv=None):
 def train_args(a, name):
     extra = list(CONFIGS[name][4])
     slow = name == "slow"
-    steps = a.steps or (3 if a.quick or slow else 6 if name == "big" else 8)
+    steps = a.steps or (3 if a.quick or slow else 10 if name == "big" else 8)
     warmup = a.warmup or (1 if a.quick or slow else 2)
     modes = SLOW_MODES if slow and a.modes == MODES else a.modes
     args = [str(TRAIN), "--modes", modes, "--steps", str(steps), "--warmup", str(warmup), "--label", name]

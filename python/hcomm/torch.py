@@ -161,7 +161,7 @@ class _AsyncWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._waiter.put(self, fut)
+        self._waiter.put(self.result, fut)
         return fut
 
 
@@ -180,10 +180,12 @@ atexit.register(_stop_waiters)
 
 
 class _Waiter:
-    """One thread per process group that completes the futures of async Works in issue order
-    (hcomm runs them in that order)."""
+    """A thread that completes torch futures in issue order (hcomm runs the operations in
+    that order): one per process group (its async Works) and one per compression hook state
+    (DDP's bucket futures). Every one is stopped at exit (`_stop_waiters`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self._name = name
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -197,25 +199,27 @@ class _Waiter:
             self._q.put(None)
             thread.join(timeout=60)
 
-    def put(self, work: _AsyncWork, fut: torch.futures.Future) -> None:
+    def put(self, finish: Callable[[], Any], fut: torch.futures.Future) -> None:
+        """Set `fut` to what `finish()` returns (or its exception), after the futures put
+        before it."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hcomm-torch-waiter", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        self._q.put((work, fut))
+        self._q.put((finish, fut))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            work, fut = item
+            finish, fut = item
             try:
-                work._complete()
+                result = finish()
             except BaseException as e:  # noqa: BLE001 - handed to the future's owner
                 fut.set_exception(e)
             else:
-                fut.set_result(work._outputs)
+                fut.set_result(result)
 
 
 def _in_place(t: torch.Tensor, f: Any) -> None:
@@ -305,7 +309,7 @@ class HcommBackend(_C10dBackend):
         self._options = _C10dBackend.Options(BACKEND_NAME, timeout=timeout)
         self.comm = comm if comm is not None else _bootstrap(store, rank, size, timeout)
         self._c = self.comm._c
-        self._waiter = _Waiter()
+        self._waiter = _Waiter("hcomm-torch-waiter")
 
     def _run(self, opts: Any, out: torch.Tensor, keep: tuple, call: Callable[[torch.Tensor, bool], Any]) -> dist._Work:
         """Run `call(buffer, async_op)` writing `out` (through a contiguous copy if `out` is
@@ -566,7 +570,7 @@ class CompressionHookState:
         self.states: dict = {}
         #: States of buckets that no longer exist (after DDP's bucket rebuild).
         self.dropped_states = 0
-        self._waiter = _HookWaiter()
+        self._waiter = _Waiter("hcomm-comm-hook")
 
     def communicator(self) -> Communicator:
         """The hcomm communicator the hook uses (resolved once)."""
@@ -601,32 +605,6 @@ class CompressionHookState:
         return f"<hcomm.torch.CompressionHookState {self.compressor} error_feedback={self.error_feedback} buckets={len(self.states)}>"
 
 
-class _HookWaiter:
-    """A thread that completes the hook's futures in issue order, when hcomm is done."""
-
-    def __init__(self) -> None:
-        self._q: "queue.Queue[Any]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def put(self, work: Work, fut: torch.futures.Future, result: torch.Tensor) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hcomm-comm-hook", daemon=True)
-                self._thread.start()
-        self._q.put((work, fut, result))
-
-    def _run(self) -> None:
-        while True:
-            work, fut, result = self._q.get()
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-
-
 def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future:
     """A DDP communication hook (``ddp.register_comm_hook(state, compression_hook)``): each
     gradient bucket is averaged over the ranks by hcomm's compressed all-reduce, started at
@@ -643,7 +621,12 @@ def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.
         st = state.state_for(bucket.index(), buf.numel())
         work = comm.all_reduce_compressed_async(buf, state=st, op="mean")
     fut: torch.futures.Future = torch.futures.Future()
-    state._waiter.put(work, fut, buf)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return buf
+
+    state._waiter.put(finish, fut)
     return fut
 
 
