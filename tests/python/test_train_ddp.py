@@ -94,6 +94,9 @@ def test_training_report_quick_on_loopback(tmp_path):
     text = out.read_text()
     assert "## loopback, 2 ranks" in text and "| compressed:topk:1% |" in text and "| ddp-gloo |" in text, text
     assert "| eval acc. |" in text, text
+    # the stated loss tolerances, checked (3 steps: top-k's is not stated that short)
+    assert "## Loss against naive's (stated tolerances)" in text and "within its tolerance: **yes**" in text, text
+    assert "| compressed:topk:1% | mean over 3 steps |" in text and "not stated (too few steps)" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
     assert svg.count("<polyline") == 13  # a loss curve per mode
