@@ -142,12 +142,7 @@ impl Communicator {
         if let Some(s) = send {
             recv.copy_from_slice(s);
         }
-        let inner_op = if op == ReduceOp::Mean {
-            ReduceOp::Sum
-        } else {
-            op
-        };
-        self.hierarchically("all_reduce", recv, dtype, op, |across, slice, _| {
+        self.hierarchically("all_reduce", recv, dtype, op, |across, slice, inner_op| {
             across.all_reduce_bytes(None, slice, dtype, inner_op)
         })?;
         self.inject_fault(recv);
@@ -156,8 +151,8 @@ impl Communicator {
 
     /// The hierarchical schedule of an all-reduce of `buf` in place: reduce-scatter (with
     /// `op`, `Sum` for `Mean`) within the host over shared memory, `across` on this rank's
-    /// slice (its bytes, and its element range in `buf`) with the same-index ranks of the
-    /// other hosts, all-gather within the host; `Mean` divides at the end. Slices are
+    /// slice (its bytes, and that same reduction) with the same-index ranks of the other
+    /// hosts, all-gather within the host; `Mean` divides at the end. Slices are
     /// [`hierarchical_slice`](Self::hierarchical_slice)'s.
     pub(crate) fn hierarchically(
         &self,
@@ -165,7 +160,7 @@ impl Communicator {
         buf: &mut [u8],
         dtype: DType,
         op: ReduceOp,
-        across: impl FnOnce(&Communicator, &mut [u8], std::ops::Range<usize>) -> Result<()>,
+        across: impl FnOnce(&Communicator, &mut [u8], ReduceOp) -> Result<()>,
     ) -> Result<()> {
         // Called in this operation's turn (see `all_reduce_bytes`): the sub-communicators are
         // made (collective splits of this communicator) inside it, so they happen at the same
@@ -200,10 +195,9 @@ impl Communicator {
             let segs = even_segments(count, l, dtype.size());
             let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
             let mine = segs[h.within.rank()].clone();
-            let elements = mine.start / dtype.size()..mine.end / dtype.size();
             h.within
                 .reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)?;
-            across(&h.across, &mut buf[mine], elements)?;
+            across(&h.across, &mut buf[mine], inner_op)?;
             h.within.all_gather_v_bytes(None, buf, &counts, dtype)?;
             if op == ReduceOp::Mean {
                 finalize_mean(dtype, buf, self.world_size());

@@ -1517,7 +1517,7 @@ impl Communicator {
                 .filter(|&c| c >= 0)
                 .collect();
             for c in colors.into_iter().filter(|&c| Some(c) != own) {
-                self.store_get(&format!("{}/built/all", id_of(c)), deadline)?;
+                self.store_get(&all_built_key(&id_of(c)), deadline)?;
             }
             Ok(())
         };
@@ -1770,11 +1770,14 @@ fn mark_built(store: &mut StoreClient, comm_id: &str, size: usize) -> Result<()>
         Error::Config(format!("setting up '{comm_id}': {e}"))
     };
     if store.add(&format!("{comm_id}/built"), 1).map_err(err)? == size as i64 {
-        store
-            .set(&format!("{comm_id}/built/all"), b"1")
-            .map_err(err)?;
+        store.set(&all_built_key(comm_id), b"1").map_err(err)?;
     }
     Ok(())
+}
+
+/// The store key [`mark_built`]'s last rank sets: every rank of `comm_id` is built.
+fn all_built_key(comm_id: &str) -> String {
+    format!("{comm_id}/built/all")
 }
 
 /// [`mark_built`], then wait until every rank of `comm_id` has (for the rank whose
@@ -1787,7 +1790,7 @@ fn wait_until_built(
 ) -> Result<()> {
     mark_built(store, comm_id, size)?;
     store
-        .get(&format!("{comm_id}/built/all"), timeout)
+        .get(&all_built_key(comm_id), timeout)
         .map(|_| ())
         .map_err(|e| {
             Error::Config(format!(

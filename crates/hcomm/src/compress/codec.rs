@@ -652,6 +652,14 @@ fn take_lanes(
     }
 }
 
+/// `residual += buf`, `buf = 0` (top-k's pass where nothing is collected).
+fn move_into_residual(buf: &mut [f32], residual: &mut [f32]) {
+    for (b, r) in buf.iter_mut().zip(residual.iter_mut()) {
+        *r += *b;
+        *b = 0.0;
+    }
+}
+
 /// Top-k with error feedback in one pass over the data: the top `k` of `x = buf + residual`
 /// (by magnitude, as [`top_k_indices`] picks them) as ascending indices and their values.
 /// On return `buf` is all zeros (ready for the sum of every rank's picks) and `residual`
@@ -680,19 +688,13 @@ pub fn top_k_take(buf: &mut [f32], residual: &mut [f32], k: usize) -> (Vec<u32>,
                 // far too many: finish the pass without collecting
                 candidates = Candidates::with_capacity(0);
                 let done = ((c + 1) * CHUNK).min(n);
-                for (b, r) in buf[done..].iter_mut().zip(&mut residual[done..]) {
-                    *r += *b;
-                    *b = 0.0;
-                }
+                move_into_residual(&mut buf[done..], &mut residual[done..]);
                 break;
             }
         }
         (candidates.idx.len() >= k).then(|| candidates.top_k(k))
     } else {
-        for (b, r) in buf.iter_mut().zip(residual.iter_mut()) {
-            *r += *b;
-            *b = 0.0;
-        }
+        move_into_residual(buf, residual);
         None
     };
     let (idx, vals) = match sampled {

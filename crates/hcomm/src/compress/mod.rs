@@ -363,6 +363,13 @@ impl CompressionState {
 
     /// Turn error feedback on (the default) or off. Turning it off drops the residuals.
     pub fn with_error_feedback(mut self, on: bool) -> CompressionState {
+        self.set_error_feedback(on);
+        self
+    }
+
+    /// [`with_error_feedback`](Self::with_error_feedback) in place (the state across hosts
+    /// too).
+    fn set_error_feedback(&mut self, on: bool) {
         self.error_feedback = on;
         if !on {
             self.residual = Vec::new();
@@ -370,10 +377,8 @@ impl CompressionState {
             self.prepared = Pending::default();
         }
         if let Some(a) = self.across.as_mut() {
-            a.1 = std::mem::replace(&mut a.1, CompressionState::placeholder())
-                .with_error_feedback(on);
+            a.1.set_error_feedback(on);
         }
-        self
     }
 
     /// A key mixed into random-k's seed, so that different tensors sharing a seed draw
@@ -527,11 +532,6 @@ impl CompressionState {
             + self.across.as_ref().map_or(0, |a| a.1.memory_bytes())
     }
 
-    /// A state standing in for one being rebuilt (never used for a call).
-    fn placeholder() -> CompressionState {
-        CompressionState::new(Compressor::None).expect("valid")
-    }
-
     /// The state of this rank's slice across hosts (made on first use, with the same
     /// compressor, error feedback and, mixed with the slice's index, key): errors if the
     /// state was used with another slice.
@@ -562,14 +562,9 @@ impl CompressionState {
     /// chunk's, in the sum's units) are added to `buf` and dropped. The sum over the ranks is
     /// linear, so adding to one rank's input is adding to the sum.
     fn fold_flat_residuals(&mut self, buf: &mut [f32]) {
-        for (x, r) in buf.iter_mut().zip(&self.residual) {
-            *x += *r;
-        }
-        self.residual = Vec::new();
+        add_to(buf, &std::mem::take(&mut self.residual));
         if let Some(o) = self.owner.take() {
-            for (x, r) in buf[o].iter_mut().zip(&self.owner_residual) {
-                *x += *r;
-            }
+            add_to(&mut buf[o], &self.owner_residual);
         }
         self.owner_residual = Vec::new();
     }
@@ -581,14 +576,10 @@ impl CompressionState {
             return;
         };
         let (slice, st) = *a;
-        for (x, r) in buf[slice.clone()].iter_mut().zip(&st.residual) {
-            *x += *r;
-        }
+        let part = &mut buf[slice];
+        add_to(part, &st.residual);
         if let Some(o) = st.owner {
-            let o = slice.start + o.start..slice.start + o.end;
-            for (x, r) in buf[o].iter_mut().zip(&st.owner_residual) {
-                *x += *r;
-            }
+            add_to(&mut part[o], &st.owner_residual);
         }
     }
 
@@ -627,6 +618,11 @@ fn chunk_ranges(n: usize, block: usize, world: usize) -> Vec<std::ops::Range<usi
         .into_iter()
         .map(|b| (b.start * block).min(n)..(b.end * block).min(n))
         .collect()
+}
+
+/// `buf[i] += add[i]` over the shorter of the two (a residual added back to its elements).
+fn add_to(buf: &mut [f32], add: &[f32]) {
+    buf.iter_mut().zip(add).for_each(|(x, r)| *x += *r);
 }
 
 fn divide(buf: &mut [f32], world: usize) {
@@ -681,9 +677,10 @@ impl Communicator {
         let _traffic = TrafficScope::enter(self, OP);
         // Hierarchical or flat (decided in the turn); a state kept for another slice is
         // refused before anything changes.
-        let slice = match buf.is_empty() {
-            true => None,
-            false => self.compressed_slice(state.compressor, buf.len()),
+        let slice = if buf.is_empty() {
+            None
+        } else {
+            self.compressed_slice(state.compressor, buf.len())
         };
         if let Some(slice) = &slice {
             let (_, local, _) = self.hierarchical_layout().expect("a hierarchy");
