@@ -29,7 +29,6 @@ import platform
 import secrets
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -119,12 +118,6 @@ def parse_results(out):
         if i >= 0:
             res.append(json.loads(line[i + len(TAG):]))
     return res
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_loopback(a, name):

@@ -4,7 +4,9 @@ failures)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,7 +36,30 @@ needs_torch = pytest.mark.skipif(
 )
 
 
+_ports_tried = itertools.count(random.randrange(1 << 30))
+
+
 def free_port() -> int:
+    """A port free on loopback now, outside the ephemeral range and new to this process.
+
+    Rank 0 binds it a moment later; a port from bind(0) lies in the ephemeral range, where any
+    connection's local end or another job's listener could take it first (as
+    hcomm::bootstrap::free_master_port explains).
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(w) for w in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    pool = [p for p in range(10000, 65536) if not lo <= p <= hi]
+    for _ in range(min(len(pool), 512)):
+        port = pool[next(_ports_tried) % len(pool)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

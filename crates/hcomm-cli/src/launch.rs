@@ -26,7 +26,6 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,11 +239,11 @@ pub fn torch_port(port: u16, given: bool, addr: &str) -> io::Result<u16> {
     }
 }
 
-/// Returns a TCP port that is free on `addr` right now (binds `addr:0`, reads
-/// the port the system chose, and closes the socket again).
+/// Returns a TCP port that is free on `addr` right now, outside the system's
+/// ephemeral range so that nothing the system numbers itself can take it before
+/// rank 0 binds it ([`hcomm::bootstrap::free_master_port`]).
 pub fn free_port(addr: &str) -> io::Result<u16> {
-    let listener = TcpListener::bind((addr, 0))?;
-    Ok(listener.local_addr()?.port())
+    hcomm::bootstrap::free_master_port(addr)
 }
 
 /// Runs the job described by `spec` and returns the exit code `hcomm run`

@@ -35,12 +35,10 @@ pub fn local_config(rank: usize, size: usize, port: u16, timeout: Duration) -> B
     }
 }
 
-/// A TCP port that was free a moment ago.
+/// A master port free on loopback a moment ago, outside the ephemeral range and new to this
+/// process ([`crate::bootstrap::free_master_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    crate::bootstrap::free_master_port("127.0.0.1").expect("a free port")
 }
 
 /// Run `f` on `n` ranks, each a thread with its own communicator, and return each rank's result

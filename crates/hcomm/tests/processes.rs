@@ -227,6 +227,15 @@ fn blame(err: &Error) -> String {
 }
 
 /// True if the survivor's line names rank `r` as the cause.
+/// Each rank's exit status and output, for a failure message.
+fn every_output(results: &[(Option<i32>, String)]) -> String {
+    results
+        .iter()
+        .enumerate()
+        .map(|(r, (code, out))| format!("--- rank {r} ({code:?}):\n{out}\n"))
+        .collect()
+}
+
 /// The `SURVIVOR` line of a rank that exited cleanly (`what` names it; the test fails
 /// otherwise).
 fn survivor_line<'a>(what: &str, code: Option<i32>, out: &'a str) -> &'a str {
@@ -588,9 +597,15 @@ fn killing_each_rank_during_each_collective_fails_every_survivor_naming_it() {
                 scenarios += 1;
                 let mut named_here = 0;
                 let what = format!("{transport} {} victim {victim}", coll.name());
-                for (r, (code, out)) in wait_all(kids, Duration::from_secs(60)).iter().enumerate() {
+                let results = wait_all(kids, Duration::from_secs(60));
+                for (r, (code, out)) in results.iter().enumerate() {
                     if r == victim {
-                        assert_eq!(*code, None, "{what}: the victim should be killed:\n{out}");
+                        assert_eq!(
+                            *code,
+                            None,
+                            "{what}: the victim should be killed; every rank's output:\n{}",
+                            every_output(&results)
+                        );
                         continue;
                     }
                     let line = survivor_line(&format!("{what}: rank {r}"), *code, out);

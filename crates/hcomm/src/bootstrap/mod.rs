@@ -1,7 +1,10 @@
 //! Joining a job: the rendezvous store, address selection, host identity, and the exchange of
 //! listening addresses that turns N processes into a communicator.
 
+pub mod port;
 pub mod store;
+
+pub use port::free_master_port;
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
