@@ -19,6 +19,10 @@ COLLS=${COLLS:-allreduce}
 REPS=${REPS:-5}
 TARGET=${TARGET:-0.05}
 OUT_DIR=${OUT_DIR:-$here/results}
+if [ ! -x "$BENCH_DIR/peers.sh" ]; then
+    echo "compare-peers: no peer benchmarks at $BENCH_DIR/peers.sh (set BENCH_DIR to the folder holding peers.sh)" >&2
+    exit 2
+fi
 mkdir -p "$OUT_DIR"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 

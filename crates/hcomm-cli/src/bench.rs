@@ -532,6 +532,36 @@ pub struct Output {
     pub results: Option<std::path::PathBuf>,
 }
 
+impl Output {
+    /// Refuse output paths whose folder does not exist, before any measuring.
+    pub fn check_paths(&self) -> Result<(), String> {
+        for (flag, path) in [("--plot", &self.plot), ("--results", &self.results)] {
+            let Some(path) = path else { continue };
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            if !dir.is_dir() {
+                return Err(format!(
+                    "{flag} {}: the folder {} does not exist",
+                    path.display(),
+                    dir.display()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What [`run`] measured: wrong elements (summed over ranks, 0 when not checked), and whether
+/// an output file could not be written (reported on stderr as it happened).
+pub struct Outcome {
+    /// Wrong elements summed over sizes and ranks.
+    pub wrong: i64,
+    /// A `--plot` or `--results` file could not be written.
+    pub output_failed: bool,
+}
+
 /// Key of a configuration in the results history.
 fn history_key(r: &serde_json::Value) -> String {
     [
@@ -606,7 +636,7 @@ fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
 }
 
 /// Run the whole sweep on this rank; rank 0 prints. Returns the number of wrong elements.
-pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<i64> {
+pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> {
     use std::io::IsTerminal;
     let me = comm.rank();
     let json = out.json;
@@ -657,6 +687,7 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<i64> {
         eprint!("\r\x1b[K");
     }
     let wrong: i64 = rows.iter().map(|r| r.wrong.max(0)).sum();
+    let mut output_failed = false;
     if me == 0 {
         if !json {
             println!(
@@ -684,16 +715,23 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<i64> {
             }];
             match crate::plot::write(path, &format!("hcomm bench {}", o.op.name()), &series) {
                 Ok(()) => println!("# plot written to {}", path.display()),
-                Err(e) => crate::say!("hcomm bench: cannot write the plot: {e}"),
+                Err(e) => {
+                    crate::say!("hcomm bench: cannot write the plot {}: {e}", path.display());
+                    output_failed = true;
+                }
             }
         }
         if let Some(path) = &out.results {
             if let Err(e) = record_history(path, &rows) {
                 crate::say!("hcomm bench: cannot update {}: {e}", path.display());
+                output_failed = true;
             }
         }
     }
-    Ok(wrong)
+    Ok(Outcome {
+        wrong,
+        output_failed,
+    })
 }
 
 #[cfg(test)]

@@ -64,7 +64,8 @@ impl Report {
             .unwrap_or(Level::Ok)
     }
 
-    /// Print, one line per finding.
+    /// Print on stdout, one line per finding (the report is the command's output, so that
+    /// `hcomm doctor > report.txt` keeps it).
     pub fn print(&self, prefix: &str) {
         for f in &self.findings {
             let tag = match f.level {
@@ -72,7 +73,7 @@ impl Report {
                 Level::Warn => "WARN",
                 Level::Fail => "FAIL",
             };
-            crate::workers::say_line(&format!("{prefix}[{tag}] {:<16} {}", f.check, f.detail));
+            crate::workers::print_line(&format!("{prefix}[{tag}] {:<16} {}", f.check, f.detail));
         }
     }
 }

@@ -46,7 +46,7 @@ struct DoctorArgs {
     #[arg(long)]
     rank_table: Option<std::path::PathBuf>,
     /// With --rank-table: check the configuration of this rank.
-    #[arg(long)]
+    #[arg(long, requires = "rank_table")]
     rank: Option<usize>,
     /// Check this master address HOST:PORT as rank 0 would (is the port free?).
     #[arg(long)]
@@ -64,7 +64,7 @@ struct RunArgs {
     /// This node's index.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Rendezvous address HOST:PORT (default 127.0.0.1 and a free port).
+    /// Rendezvous address HOST:PORT (default 127.0.0.1 and a free port outside the system's ephemeral range).
     #[arg(long)]
     master: Option<String>,
     /// Do not prefix output lines with the rank.
@@ -268,9 +268,19 @@ fn exit(code: i32) -> ExitCode {
 
 fn join() -> Result<Communicator, ExitCode> {
     Communicator::from_env().map_err(|e| {
-        hcomm_cli::say!("hcomm: cannot join the job: {e}");
+        hcomm_cli::say!("{}", cannot_join(&e));
         ExitCode::from(1)
     })
+}
+
+/// Why a subcommand could not join the job; outside any job, it also says how to start ranks.
+fn cannot_join(e: &hcomm::Error) -> String {
+    let hint = if in_job() {
+        ""
+    } else {
+        " (or give --np N to start N local ranks)"
+    };
+    format!("hcomm: cannot join the job: {e}{hint}")
 }
 
 fn cmd_run(a: RunArgs) -> ExitCode {
@@ -314,6 +324,14 @@ fn cmd_run(a: RunArgs) -> ExitCode {
 }
 
 fn cmd_demo(a: DemoArgs) -> ExitCode {
+    // The timed rows move float32 elements.
+    if a.size == 0 || !a.size.is_multiple_of(4) {
+        hcomm_cli::say!(
+            "hcomm demo: --size {}: the timed rows move float32 elements; give a positive multiple of 4 bytes",
+            a.size
+        );
+        return ExitCode::from(2);
+    }
     if !in_job() {
         return exit(spawn_self(a.nprocs, args_without(&["-n", "--nprocs"])));
     }
@@ -483,7 +501,7 @@ fn join_for_bench(transport: &str) -> Result<Communicator, String> {
             };
             Communicator::from_config(&cfg)
         })
-        .map_err(|e| format!("hcomm: cannot join the job: {e}"))
+        .map_err(|e| cannot_join(&e))
 }
 
 /// `--algo` for the benchmarks built on the all-reduce (fusion, compression): set it for the
@@ -705,16 +723,37 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
     if a.op == "compression" {
         return cmd_bench_compression(a);
     }
+    let out = bench::Output {
+        json: a.json,
+        plot: a.plot.clone(),
+        results: a.results.clone(),
+    };
     let parsed = (|| -> Result<BenchOpts, String> {
+        out.check_paths()?;
+        let dtype: DType = a.dtype.parse()?;
+        if a.max_bytes < a.min_bytes {
+            return Err(format!(
+                "-e {} is below -b {}: the largest size must be at least the smallest",
+                a.max_bytes, a.min_bytes
+            ));
+        }
+        for (flag, bytes) in [("-b", a.min_bytes), ("-e", a.max_bytes)] {
+            if !bytes.is_multiple_of(dtype.size()) {
+                return Err(format!(
+                    "{flag} {bytes}: not a whole number of {dtype} elements ({} bytes each)",
+                    dtype.size()
+                ));
+            }
+        }
         Ok(BenchOpts {
             op: BenchOp::parse(&a.op).ok_or(format!("unknown operation '{}'", a.op))?,
             min_bytes: a.min_bytes,
-            max_bytes: a.max_bytes.max(a.min_bytes),
+            max_bytes: a.max_bytes,
             factor: a.factor,
             warmup: a.warmup,
             iters: a.iters,
             check: a.check != 0,
-            dtype: a.dtype.parse()?,
+            dtype,
             redop: a.redop.parse()?,
             root: a.root,
             algo: a.algo.parse::<Algo>()?,
@@ -745,13 +784,8 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let out = bench::Output {
-        json: a.json,
-        plot: a.plot,
-        results: a.results,
-    };
     match bench::run(&comm, &o, &out) {
-        Ok(0) => ExitCode::SUCCESS,
+        Ok(r) if r.wrong == 0 && !r.output_failed => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(e) => {
             hcomm_cli::say!("hcomm bench: rank {}: {e}", comm.rank());
@@ -883,6 +917,8 @@ fn main() -> ExitCode {
         .map(|a| {
             if a == "-np" {
                 OsString::from("--np")
+            } else if let Some(n) = a.to_str().and_then(|s| s.strip_prefix("-np=")) {
+                OsString::from(format!("--np={n}"))
             } else {
                 a
             }

@@ -58,14 +58,24 @@ pub fn args_without(flags: &[&str]) -> Vec<OsString> {
     out
 }
 
-/// Write one line to stderr with a single `write` call, so that lines from several ranks
-/// sharing the terminal never interleave mid-line.
-pub fn say_line(msg: &str) {
-    use std::io::Write;
+/// Write `msg` and a newline with a single `write` call, so that lines from several ranks
+/// sharing the terminal (or the launcher's pipe) never interleave mid-line.
+fn write_line(mut to: impl std::io::Write, msg: &str) {
     let mut line = String::with_capacity(msg.len() + 1);
     line.push_str(msg);
     line.push('\n');
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    let _ = to.write_all(line.as_bytes());
+    let _ = to.flush();
+}
+
+/// One line to stderr (see [`write_line`]).
+pub fn say_line(msg: &str) {
+    write_line(std::io::stderr().lock(), msg);
+}
+
+/// One line to stdout (see [`write_line`]).
+pub fn print_line(msg: &str) {
+    write_line(std::io::stdout().lock(), msg);
 }
 
 /// `eprintln!` that writes each line atomically (see [`say_line`]).

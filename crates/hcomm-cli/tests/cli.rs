@@ -298,6 +298,82 @@ fn bad_input_is_rejected_with_a_message() {
     let (code, _, err) = hcomm(&["bench", "allrdc", "-np", "2"], Duration::from_secs(30));
     assert_eq!(code, Some(2));
     assert!(err.contains("unknown operation"), "{err}");
+    for (args, want) in [
+        (
+            &["bench", "allreduce", "-np", "2", "-b", "3", "-e", "3"][..],
+            "-b 3: not a whole number of float elements (4 bytes each)",
+        ),
+        (
+            &["bench", "allreduce", "-np", "2", "-b", "64K", "-e", "1K"][..],
+            "-e 1024 is below -b 65536",
+        ),
+        (
+            &[
+                "bench",
+                "allreduce",
+                "-np",
+                "2",
+                "--plot",
+                "/nonexistent/p.svg",
+            ][..],
+            "--plot /nonexistent/p.svg: the folder /nonexistent does not exist",
+        ),
+        (
+            &["demo", "-n", "2", "--size", "3"][..],
+            "--size 3: the timed rows move float32 elements",
+        ),
+    ] {
+        let (code, _, err) = hcomm(args, Duration::from_secs(30));
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn bench_accepts_np_with_an_equals_sign_and_fails_when_an_output_cannot_be_written() {
+    let (code, out, err) = hcomm(
+        &[
+            "bench",
+            "allreduce",
+            "-np=2",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    // The folder exists but the file cannot be made there: the run measures, then fails.
+    let (code, _, err) = hcomm(
+        &[
+            "bench",
+            "allreduce",
+            "--np",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--results",
+            "/proc/hcomm-results.jsonl",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("cannot update /proc/hcomm-results.jsonl"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -433,11 +509,11 @@ fn doctor_reports_a_busy_port_with_its_owner() {
     );
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(
-        err.contains(&format!(
+        out.contains(&format!(
             "port {port} is in use by pid {}",
             std::process::id()
         )),
-        "{err}"
+        "{out}"
     );
 }
 
@@ -457,8 +533,8 @@ fn doctor_reports_a_bad_rank_table_by_field() {
     );
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(
-        err.contains("ranks[1].rank") && err.contains("duplicate rank 0"),
-        "{err}"
+        out.contains("ranks[1].rank") && out.contains("duplicate rank 0"),
+        "{out}"
     );
 }
 
@@ -478,8 +554,8 @@ fn doctor_reports_an_unreachable_master() {
     let (code, out, err) = hcomm_env(&["doctor"], &env, Duration::from_secs(30));
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(
-        err.contains(&format!("rank 1 cannot reach 127.0.0.1:{port}")),
-        "{err}"
+        out.contains(&format!("rank 1 cannot reach 127.0.0.1:{port}")),
+        "{out}"
     );
 }
 
@@ -492,11 +568,11 @@ fn doctor_measures_every_pair() {
         "{out}"
     );
     assert!(
-        err.contains("bootstrap")
-            && err.contains("fd limit")
-            && err.contains("/dev/shm")
-            && err.contains("a job token is set"),
-        "{err}"
+        out.contains("bootstrap")
+            && out.contains("fd limit")
+            && out.contains("/dev/shm")
+            && out.contains("a job token is set"),
+        "{out}"
     );
 }
 
