@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Optional, Sequence
 
 from . import _hcomm
-from .errors import ConfigError, HcommError
+from .errors import ConfigError, HcommError, InvalidArgumentError
 
 #: The dtypes hcomm communicates (numpy / torch names).
 DTYPES: tuple[str, ...] = tuple(_hcomm.dtypes())
@@ -59,9 +59,9 @@ def _empty(like: Any, shape: Sequence[int]) -> Any:
 
 def _dim(op: str, dim: int, ndim: int) -> int:
     if ndim == 0:
-        raise ValueError(f"{op}: the tensor has no dimensions (give it a shape of at least (1,))")
+        raise InvalidArgumentError(f"{op}: the tensor has no dimensions (give it a shape of at least (1,))")
     if not -ndim <= dim < ndim:
-        raise ValueError(f"{op}: dim {dim} is out of range for a tensor of {ndim} dimensions")
+        raise InvalidArgumentError(f"{op}: dim {dim} is out of range for a tensor of {ndim} dimensions")
     return dim % ndim
 
 
@@ -71,7 +71,7 @@ def _check_out(op: str, out: Any, like: Any, shape: Sequence[int]) -> Any:
         return _empty(like, shape)
     _check_tensor(op, "out", out)
     if _shape(out) != tuple(shape):
-        raise ValueError(f"{op}: out has shape {_shape(out)}, expected {tuple(shape)}")
+        raise InvalidArgumentError(f"{op}: out has shape {_shape(out)}, expected {tuple(shape)}")
     if str(out.dtype) != str(like.dtype):
         raise TypeError(f"{op}: out has dtype {out.dtype}, the input {like.dtype}")
     return out
@@ -233,14 +233,14 @@ def _compression_state(compressor: Optional[str], state: Optional[CompressionSta
     """The state an all_reduce_compressed call uses: `state`, or a fresh one for `compressor`."""
     if state is None:
         if compressor is None:
-            raise ValueError("all_reduce_compressed: give a compressor (e.g. 'int8') or a CompressionState")
+            raise InvalidArgumentError("all_reduce_compressed: give a compressor (e.g. 'int8') or a CompressionState")
         return CompressionState(compressor, error_feedback=False)
     if not isinstance(state, CompressionState):
         raise TypeError(f"all_reduce_compressed: state must be a hcomm.CompressionState, got {type(state).__name__}")
     if compressor is not None:
         mine = CompressionState(compressor).compressor  # canonical form (validates it too)
         if mine != state.compressor:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"all_reduce_compressed: compressor {compressor!r} ({mine}) differs from the state's {state.compressor}; "
                 "give one of them"
             )
@@ -389,7 +389,7 @@ class SharedMemory(os.PathLike):
 
     def __init__(self, raw: Any, flags: str = "read_write") -> None:
         if flags not in ("read_write", "read_only"):
-            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+            raise InvalidArgumentError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
         self._raw = raw
         self.flags = flags
         self._views: "weakref.WeakSet[_ArrayView]" = weakref.WeakSet()
@@ -428,7 +428,7 @@ class SharedMemory(os.PathLike):
     def _interface(self, np_dtype: Any, shape: Optional[Sequence[int]], offset: int) -> dict:
         itemsize = np_dtype.itemsize
         if offset < 0 or offset % itemsize:
-            raise ValueError(f"offset {offset} is not a non-negative multiple of {itemsize} bytes")
+            raise InvalidArgumentError(f"offset {offset} is not a non-negative multiple of {itemsize} bytes")
         if shape is None:
             shape = ((self.size - offset) // itemsize,) if offset <= self.size else (0,)
         elif isinstance(shape, int):
@@ -437,10 +437,10 @@ class SharedMemory(os.PathLike):
         nbytes = itemsize
         for n in shape:
             if n < 0:
-                raise ValueError(f"negative dimension in shape {shape}")
+                raise InvalidArgumentError(f"negative dimension in shape {shape}")
             nbytes *= n
         if offset + nbytes > self.size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{nbytes} bytes of shape {shape} at offset {offset} do not fit in "
                 f"{self.size} bytes of shared memory"
             )
@@ -474,7 +474,7 @@ class SharedMemory(os.PathLike):
         import torch
 
         if self.flags == "read_only":
-            raise ValueError("read-only shared memory cannot be a torch tensor (torch has no read-only tensors); use numpy()")
+            raise InvalidArgumentError("read-only shared memory cannot be a torch tensor (torch has no read-only tensors); use numpy()")
         dtype = torch.float32 if dtype is None else dtype
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype.replace("torch.", ""))
@@ -510,6 +510,18 @@ class SharedMemory(os.PathLike):
 
 # ----------------------------------------------------------------------------------------------
 # the communicator
+
+
+class _Destroyed:
+    """Stands in for the engine of a destroyed communicator: every use raises."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise HcommError(
+            f"communicator {self._name!r} was destroyed (destroy() or DestroyHcom()); make a new one"
+        )
 
 
 class Communicator:
@@ -591,7 +603,23 @@ class Communicator:
         :class:`AbortedError`. Safe from any thread."""
         self._c.abort()
 
+    def destroy(self) -> None:
+        """Leave the group now rather than when the last reference to this object goes: its
+        connections close and, on rank 0, the rendezvous store frees the master port, so a
+        new communicator can be made on it at once. Operations already issued finish first
+        (their ``Work`` keeps them going); every later call raises :class:`HcommError`.
+        Destroying twice is harmless. :func:`DestroyHcom` destroys the default communicator."""
+        if not isinstance(self._c, _Destroyed):
+            self._c = _Destroyed(self.name)
+
+    @property
+    def destroyed(self) -> bool:
+        """True once :meth:`destroy` (or :func:`DestroyHcom`) was called."""
+        return isinstance(self._c, _Destroyed)
+
     def __repr__(self) -> str:
+        if self.destroyed:
+            return f"<hcomm.Communicator {self.name!r} destroyed>"
         return f"<hcomm.Communicator {self.name!r} rank {self.rank} of {self.world_size}>"
 
     # -- collectives -----------------------------------------------------------------------
@@ -655,7 +683,7 @@ class Communicator:
         _dim(name, 0, len(shape))
         w = self.world_size
         if shape[0] % w:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares"
             )
         out = _check_out(name, out, tensor, [shape[0] // w] + shape[1:])
@@ -737,7 +765,7 @@ class Communicator:
         is_root = self.rank == root_rank
         if tensor is None:
             if is_root or out is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{op}: {'the root needs the tensor to scatter' if is_root else 'give the tensor (for its shape) or out'}"
                 )
             _check_tensor(op, "out", out)
@@ -747,7 +775,7 @@ class Communicator:
         _dim(op, 0, len(shape))
         w = self.world_size
         if shape[0] % w:
-            raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares")
+            raise InvalidArgumentError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares")
         out = _check_out(op, out, tensor, [shape[0] // w] + shape[1:])
         engine = self._c.scatter(tensor if is_root else None, out, root_rank, None, a)
         return self._finish(engine, out, (tensor, out))
@@ -771,14 +799,14 @@ class Communicator:
         row = _elements(tensor) // shape[0] if shape[0] else 1
         if send_counts is None and recv_counts is None:
             if shape[0] % w:
-                raise ValueError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal blocks")
+                raise InvalidArgumentError(f"{op}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal blocks")
             out = _check_out(op, out, tensor, shape)
             return self._finish(self._c.all_to_all(tensor, out, None, None, a), out, (tensor, out))
         if send_counts is None or recv_counts is None:
-            raise ValueError(f"{op}: give both send_counts and recv_counts, or neither")
+            raise InvalidArgumentError(f"{op}: give both send_counts and recv_counts, or neither")
         send_counts, recv_counts = list(send_counts), list(recv_counts)
         if sum(send_counts) != shape[0]:
-            raise ValueError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
+            raise InvalidArgumentError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
         out = _check_out(op, out, tensor, [sum(recv_counts)] + shape[1:])
         engine = self._c.all_to_all(tensor, out, [c * row for c in send_counts], [c * row for c in recv_counts], a)
         return self._finish(engine, out, (tensor, out))
@@ -866,7 +894,7 @@ class Communicator:
 
             t = tensor.coalesce() if not tensor.is_coalesced() else tensor
             if t.sparse_dim() != 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{name}: a sparse tensor with {t.sparse_dim()} sparse dimensions; only row-sparse "
                     "tensors (sparse_dim 1, e.g. an nn.Embedding(sparse=True) gradient) are supported"
                 )
@@ -879,11 +907,11 @@ class Communicator:
             _check_tensor(name, "indices", indices)
             _check_tensor(name, "values", values)
             if len(_shape(indices)) != 1:
-                raise ValueError(f"{name}: indices must be 1-D, got shape {_shape(indices)}")
+                raise InvalidArgumentError(f"{name}: indices must be 1-D, got shape {_shape(indices)}")
         vshape = _shape(values)
         rows = _shape(indices)[0]
         if not vshape or vshape[0] != rows:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name}: values have shape {vshape}; expected one row per index ({rows} rows first)"
             )
         row_shape = vshape[1:]
@@ -902,7 +930,7 @@ class Communicator:
                 val = val.reshape((idx.shape[0],) + row_shape)
                 if coo:
                     if idx.numel() and int(idx[-1]) >= dense_shape[0]:
-                        raise ValueError(
+                        raise InvalidArgumentError(
                             f"{name}: the reduced rows reach row {int(idx[-1])}, but this rank's tensor has "
                             f"{dense_shape[0]} rows (the ranks' tensors differ in size)"
                         )
@@ -1034,15 +1062,15 @@ class Communicator:
         """Allocate `size` bytes of shared memory and publish it for the ranks of this host.
         Per rank, not collective."""
         if flags not in ("read_write", "read_only"):
-            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+            raise InvalidArgumentError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
         if int(size) < 0:
-            raise ValueError(f"size must be non-negative, got {size}")
+            raise InvalidArgumentError(f"size must be non-negative, got {size}")
         return SharedMemory(self._c.alloc_shared(int(size)), flags)
 
     def get_shared_memory(self, src_rank: int, flags: str = "read_write") -> SharedMemory:
         """Map the shared memory `src_rank` allocated (waiting for it up to the timeout)."""
         if flags not in ("read_write", "read_only"):
-            raise ValueError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
+            raise InvalidArgumentError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
         return SharedMemory(self._c.get_shared(src_rank), flags)
 
     # -- groups ----------------------------------------------------------------------------
@@ -1232,9 +1260,13 @@ def InitHcom(name: str = "hccl_world_group", config_path: "Optional[str | os.Pat
 
 
 def DestroyHcom() -> None:
-    """Leave the job: drop the default communicator (InitHcom can be called again)."""
+    """Leave the job: destroy the default communicator (:meth:`Communicator.destroy`; a
+    reference kept to it raises from then on), after which InitHcom can be called again, on
+    the same master port. Harmless when there is none."""
     global _default
     with _default_lock:
+        if _default is not None:
+            _default.destroy()
         _default = None
 
 

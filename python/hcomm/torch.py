@@ -48,7 +48,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.distributed import ReduceOp
 
+from . import _hcomm
 from ._core import Communicator, CompressionState, Work
+from .errors import InvalidArgumentError
 
 __all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook"]
 
@@ -72,7 +74,7 @@ def _op(opts: Any) -> str:
     try:
         return _OPS[kind]
     except KeyError:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"hcomm backend: reduce op {kind} is not supported (SUM, PRODUCT, MIN, MAX, AVG are)"
         ) from None
 
@@ -80,7 +82,7 @@ def _op(opts: Any) -> str:
 def _check_cpu(op: str, tensors: List[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type != "cpu":
-            raise ValueError(f"hcomm backend: {op} got a tensor on {t.device}; hcomm communicates CPU tensors")
+            raise InvalidArgumentError(f"hcomm backend: {op} got a tensor on {t.device}; hcomm communicates CPU tensors")
 
 
 class _Work(dist._Work):
@@ -267,13 +269,6 @@ def _advertised_address() -> str:
     return "127.0.0.1"
 
 
-def _free_port(addr: str) -> int:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Communicator:
     # Without a job token from the launcher (torchrun sets none), rank 0 makes one and hands it
     # over with the address: hcomm's connections are then authenticated as far as torch's
@@ -282,7 +277,7 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta) ->
     if rank == 0:
         addr = _advertised_address()
         token = "-" if own_token else secrets.token_hex(32)
-        store.set(_STORE_KEY, f"{addr} {_free_port(addr)} {token}")
+        store.set(_STORE_KEY, f"{addr} {_hcomm.free_master_port(addr)} {token}")
     value = store.get(_STORE_KEY)  # waits for rank 0 (up to the store's timeout)
     addr, port, token = value.decode().rsplit(" ", 2)
     variables = {
@@ -361,9 +356,9 @@ class HcommBackend(_C10dBackend):
         all-reduce, which moves only the rows (like gloo's). Each input is replaced by the
         coalesced result, which is also the work's result (what DDP's reducer reads)."""
         if op not in ("sum", "mean"):
-            raise ValueError(f"hcomm backend: sparse allreduce sums or averages, not {op}")
+            raise InvalidArgumentError(f"hcomm backend: sparse allreduce sums or averages, not {op}")
         if not all(t.is_sparse for t in tensors):
-            raise ValueError("hcomm backend: allreduce got sparse and dense tensors together")
+            raise InvalidArgumentError("hcomm backend: allreduce got sparse and dense tensors together")
         out = []
         for t in tensors:
             res = self.comm.sparse_all_reduce(t, op=op)
@@ -513,7 +508,7 @@ class HcommBackend(_C10dBackend):
         return _Work(tensors)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> _Work:
-        raise ValueError("hcomm backend: receiving from any source is not supported; name the source rank")
+        raise InvalidArgumentError("hcomm backend: receiving from any source is not supported; name the source rank")
 
     def abort(self) -> None:
         self._c.abort()
@@ -528,7 +523,7 @@ def communicator_of(group: Any = None) -> Communicator:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))
     if not isinstance(backend, HcommBackend):
-        raise ValueError(f"the process group's CPU backend is {type(backend).__name__}, not hcomm")
+        raise InvalidArgumentError(f"the process group's CPU backend is {type(backend).__name__}, not hcomm")
     return backend.comm
 
 
@@ -581,7 +576,7 @@ class CompressionHookState:
                 from . import _core
 
                 if _core._default is None:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         "hcomm compression hook: the process group's backend is not hcomm and hcomm.InitHcom() was not "
                         "called; pass comm= (an hcomm.Communicator) to CompressionHookState"
                     ) from None
@@ -615,7 +610,7 @@ def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.
     comm = state.communicator()
     if buf.dtype != torch.float32 or buf.device.type != "cpu":
         if buf.device.type != "cpu":
-            raise ValueError(f"hcomm compression hook: the bucket is on {buf.device}; hcomm communicates CPU tensors")
+            raise InvalidArgumentError(f"hcomm compression hook: the bucket is on {buf.device}; hcomm communicates CPU tensors")
         work = comm.all_reduce_async(buf, op="mean")
     else:
         st = state.state_for(bucket.index(), buf.numel())

@@ -4,11 +4,8 @@ failures)."""
 
 from __future__ import annotations
 
-import itertools
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,33 +33,12 @@ needs_torch = pytest.mark.skipif(
 )
 
 
-_ports_tried = itertools.count(random.randrange(1 << 30))
-
-
 def free_port() -> int:
-    """A port free on loopback now, outside the ephemeral range and new to this process.
+    """A port free on loopback now, outside the ephemeral range and new to this process (rank 0
+    binds it a moment later; see hcomm::bootstrap::free_master_port)."""
+    from hcomm import _hcomm
 
-    Rank 0 binds it a moment later; a port from bind(0) lies in the ephemeral range, where any
-    connection's local end or another job's listener could take it first (as
-    hcomm::bootstrap::free_master_port explains).
-    """
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(w) for w in f.read().split())
-    except (OSError, ValueError):
-        lo, hi = 32768, 60999
-    pool = [p for p in range(10000, 65536) if not lo <= p <= hi]
-    for _ in range(min(len(pool), 512)):
-        port = pool[next(_ports_tried) % len(pool)]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _hcomm.free_master_port("127.0.0.1")
 
 
 def run_job(

@@ -93,9 +93,29 @@ def test_library_argument_errors_are_invalid_argument_errors(comm):
     assert e.value.op == "broadcast" and e.value.fatal is False
     with pytest.raises(hcomm.InvalidArgumentError):
         comm.send(np.ones(3), dst_rank=4)
+    # Arguments refused before the library sees them are InvalidArgumentErrors too (so an
+    # `except hcomm.HcommError` catches every refusal), and still ValueErrors.
+    for call, match in [
+        (lambda: comm.all_reduce(np.ones(3), op="bogus"), "bogus"),
+        (lambda: comm.all_reduce(np.zeros((4, 4))[:, ::2]), "contiguous"),
+        (lambda: comm.all_to_all(np.ones(4), send_counts=[3], recv_counts=[4]), "send_counts"),
+        (lambda: comm.all_gather(np.ones(3), dim=5), "dim"),
+    ]:
+        with pytest.raises(hcomm.InvalidArgumentError, match=match):
+            call()
     # not fatal: the communicator still works
     a = np.ones(3)
     comm.all_reduce(a)
+
+
+def test_a_destroyed_communicator_refuses_calls_and_destroy_hcom_destroys(default):
+    assert not default.destroyed
+    hcomm.DestroyHcom()
+    assert default.destroyed and "destroyed" in repr(default)
+    with pytest.raises(hcomm.HcommError, match="destroyed"):
+        default.all_reduce(np.ones(3))
+    default.destroy()  # twice is harmless
+    hcomm.DestroyHcom()  # and with no default
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,12 @@ def test_init_from_a_rank_table(tmp_path):
     assert out.count("rank table ok") == 2
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_init_and_destroy_again_and_again_on_one_port(n):
+    out = run_job(n, [WORKERS / "small.py", "reinit"], timeout=120)
+    assert out.count("reinit ok") == n
+
+
 def test_a_failing_rank_fails_the_job():
     out = run_job(2, ["-c", "import sys, hcomm; hcomm.InitHcom(); sys.exit(3 if hcomm.GetRank() == 1 else 0)"], expect_ok=False)
     assert "exited with code 3" in out, out

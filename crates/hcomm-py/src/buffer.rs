@@ -5,7 +5,8 @@
 //! not on the CPU, read-only output) naming the call and the argument.
 
 use hcomm::DType;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use crate::errors::invalid_argument;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -159,13 +160,13 @@ pub fn buffer(op: &str, what: &str, obj: &Bound<'_, PyAny>, writable: bool) -> P
 fn torch_buffer(op: &str, what: &str, t: &Bound<'_, PyAny>) -> PyResult<Buf> {
     let device = t.getattr("device")?.getattr("type")?.extract::<String>()?;
     if device != "cpu" {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} is on device '{device}'; hcomm communicates CPU tensors (use .cpu())"
         )));
     }
     let layout = t.getattr("layout")?.str()?.to_string();
     if layout != "torch.strided" {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} has layout {layout}; hcomm needs a dense (strided) tensor"
         )));
     }
@@ -174,7 +175,7 @@ fn torch_buffer(op: &str, what: &str, t: &Bound<'_, PyAny>) -> PyResult<Buf> {
     if !t.call_method0("is_contiguous")?.extract::<bool>()? {
         let shape = t.getattr("shape")?.str()?.to_string();
         let stride = t.call_method0("stride")?.str()?.to_string();
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} is not contiguous ({shape}, strides {stride}); pass a contiguous \
              tensor (tensor.contiguous() makes a copy, and the result would not land in the original)"
         )));
@@ -217,7 +218,7 @@ fn array_buffer(
     if typestr.starts_with('>') && cfg!(target_endian = "little")
         || typestr.starts_with('<') && cfg!(target_endian = "big")
     {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} is not in native byte order ({typestr}); convert it with \
              arr.astype(arr.dtype.newbyteorder('='))"
         )));
@@ -245,7 +246,7 @@ fn array_buffer(
         .extract()
         .map_err(|_| bad("__array_interface__['data'] is not (address, read_only)"))?;
     if writable && readonly {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} is read-only; the result must be written into it (pass a writable array)"
         )));
     }
@@ -264,7 +265,7 @@ fn array_buffer(
             expect *= n as isize;
         }
         if numel > 0 && !contiguous {
-            return Err(PyValueError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{op}: {what} is not C-contiguous (shape {shape:?}, strides {strides:?}); pass \
                  a contiguous array (numpy.ascontiguousarray makes a copy, and the result would not \
                  land in the original)"

@@ -86,6 +86,12 @@ pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     make(py, name, e.to_string(), &attrs)
 }
 
+/// `hcomm.errors.InvalidArgumentError(message)` (also a `ValueError`): an argument refused
+/// before anything was sent.
+pub fn invalid_argument(msg: impl Into<String>) -> PyErr {
+    Python::attach(|py| make(py, "InvalidArgumentError", msg.into(), &[]))
+}
+
 /// `hcomm.errors.LaunchError(message)` with `exit_code`.
 pub fn launch_error(py: Python<'_>, msg: String, exit_code: i32) -> PyErr {
     let code = exit_code

@@ -12,7 +12,7 @@ use hcomm::fusion::{
     prepare_bucket, reduce_bucket, Bucket, BucketPlanner, BucketState, BucketStates, FusionOptions,
 };
 use hcomm::{Communicator as Comm, CompressionState, DType, ReduceOp};
-use pyo3::exceptions::PyValueError;
+use crate::errors::invalid_argument;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 
@@ -132,7 +132,7 @@ impl PyFusion {
             }
         }
         if s.tensors.iter().any(|t| t.buf.overlaps(&b)) {
-            return Err(PyValueError::new_err(
+            return Err(invalid_argument(
                 "fusion: this tensor's memory overlaps a tensor already pushed in this step",
             ));
         }

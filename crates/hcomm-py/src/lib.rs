@@ -15,11 +15,11 @@ mod work;
 
 use buffer::{buffer, dtype_name, opt_buffer, same_dtype, Buf};
 use compression::{parse_compressor, PyCompression};
-use errors::{blocking, to_pyerr};
+use errors::{blocking, invalid_argument, to_pyerr};
 use fusion::PyFusion;
 use hcomm::fusion::FusionOptions;
 use hcomm::{Communicator as Comm, DType, ReduceOp};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use sparse::PySparseResult;
 use std::sync::{Arc, Mutex, RwLock};
@@ -27,17 +27,17 @@ use std::time::Duration;
 use work::PyWork;
 
 fn parse_op(op: &str) -> PyResult<ReduceOp> {
-    op.parse::<ReduceOp>().map_err(PyValueError::new_err)
+    op.parse::<ReduceOp>().map_err(invalid_argument)
 }
 
 fn parse_dtype(d: &str) -> PyResult<DType> {
-    d.parse::<DType>().map_err(PyValueError::new_err)
+    d.parse::<DType>().map_err(invalid_argument)
 }
 
 /// Equal per-rank counts for a buffer of `total` elements split `n` ways, or a ValueError.
 fn equal_counts(op: &str, what: &str, total: usize, n: usize) -> PyResult<Vec<usize>> {
     if !total.is_multiple_of(n) {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: {what} has {total} elements, which do not split into {n} equal blocks (one per rank)"
         )));
     }
@@ -59,7 +59,7 @@ fn input_of(op: &str, send: Option<Buf>, recv: &Buf) -> PyResult<Option<Buf>> {
     match send {
         None => Ok(None),
         Some(s) if s.same_memory(recv) => Ok(None),
-        Some(s) if s.overlaps(recv) => Err(PyValueError::new_err(format!(
+        Some(s) if s.overlaps(recv) => Err(invalid_argument(format!(
             "{op}: the input and output buffers partly overlap; pass the same buffer (in place) or separate ones"
         ))),
         Some(s) => Ok(Some(s)),
@@ -70,7 +70,7 @@ fn input_of(op: &str, send: Option<Buf>, recv: &Buf) -> PyResult<Option<Buf>> {
 /// must have one dtype.
 fn separate(op: &str, s: &Buf, r: &Buf) -> PyResult<()> {
     if s.overlaps(r) {
-        return Err(PyValueError::new_err(format!(
+        return Err(invalid_argument(format!(
             "{op}: the input and output buffers overlap ({op} does not work in place)"
         )));
     }
@@ -202,7 +202,7 @@ impl PyComm {
     #[setter]
     fn set_timeout(&self, seconds: f64) -> PyResult<()> {
         if !(seconds.is_finite() && seconds > 0.0) {
-            return Err(PyValueError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "timeout must be a positive number of seconds, got {seconds}"
             )));
         }
@@ -347,7 +347,7 @@ impl PyComm {
             Some(r) => (input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?, r),
             None => {
                 let s = opt_buffer(OP, "tensor", send, false)?.ok_or_else(|| {
-                    PyValueError::new_err("reduce: give an input, an output, or both")
+                    invalid_argument("reduce: give an input, an output, or both")
                 })?;
                 (Some(s), Buf::empty(s.dtype))
             }
@@ -496,11 +496,13 @@ impl PyComm {
         let s = buffer(OP, "send", send, false)?;
         let r = buffer(OP, "recv", recv, true)?;
         if s.overlaps(&r) {
-            return Err(PyValueError::new_err(
+            return Err(invalid_argument(
                 "send_recv: the send and recv buffers overlap",
             ));
         }
         let c = self.comm.clone();
+        // SAFETY: both Python objects are borrowed for this blocking call, and they do not
+        // overlap (checked above).
         blocking(py, move || unsafe {
             c.send_recv::<u8>(dst, s.bytes(), src, r.bytes_mut(), tag)
         })
@@ -798,6 +800,7 @@ impl PyConnection {
     /// Send `buf` on the connection.
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("send", "tensor", buf, false)?;
+        // SAFETY: the Python object is borrowed for this blocking call, and only read.
         blocking(py, move || {
             self.with(|c| unsafe { c.send::<u8>(b.bytes()) })
         })
@@ -806,6 +809,8 @@ impl PyConnection {
     /// Receive into `buf` from the connection (sizes must match).
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("recv", "tensor", buf, true)?;
+        // SAFETY: the Python object is borrowed for this blocking call, and only this view
+        // writes to it meanwhile.
         blocking(py, move || {
             self.with(|c| unsafe { c.recv::<u8>(b.bytes_mut()) })
         })
@@ -851,7 +856,7 @@ impl PySharedMemory {
     }
 
     fn freed_error(&self) -> PyErr {
-        PyValueError::new_err(format!(
+        invalid_argument(format!(
             "the shared memory of rank {} ({}) was freed",
             self.owner, self.path
         ))
@@ -991,6 +996,15 @@ fn dtype_size(name: &str) -> PyResult<usize> {
     parse_dtype(name).map(|d| d.size())
 }
 
+/// A TCP port free on `host` now, outside the system's ephemeral range (so nothing the system
+/// numbers itself takes it before rank 0 binds it) and new to this process.
+#[pyfunction]
+fn free_master_port(host: &str) -> PyResult<u16> {
+    hcomm::bootstrap::free_master_port(host).map_err(|e| {
+        pyo3::exceptions::PyOSError::new_err(format!("no free port on {host}: {e}"))
+    })
+}
+
 /// The Rust extension of the `hcomm` package.
 #[pymodule]
 fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -1004,6 +1018,7 @@ fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(launch, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_size, m)?)?;
+    m.add_function(wrap_pyfunction!(free_master_port, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -94,7 +94,7 @@ impl PyWork {
             None => None,
             Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                return Err(crate::errors::invalid_argument(format!(
                     "timeout must be a non-negative number of seconds, got {t}"
                 )))
             }

@@ -413,6 +413,7 @@ fn init_logging() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(filter)
                 .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .try_init();
         }
     });
@@ -451,6 +452,7 @@ impl Communicator {
     /// publishes its listening address, and the world communicator is built.
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
         init_logging();
+        crate::config::check_tuning_variables().map_err(Error::Config)?;
         let start = Instant::now();
         let token = cfg.token()?;
         if token.is_none() && cfg.world_size > 1 {
@@ -466,7 +468,8 @@ impl Communicator {
                 Error::Config(format!(
                     "rank 0 cannot listen on the master address {addr}: {e}{}",
                     if e.kind() == std::io::ErrorKind::AddrInUse {
-                        " (another job on this port? choose another HCOMM_MASTER_PORT)"
+                        " (another job on this port, or a communicator of this job still alive in this process? \
+                         drop it first, or choose another HCOMM_MASTER_PORT)"
                     } else {
                         " (HCOMM_MASTER_ADDR must be an address of rank 0's host)"
                     }
@@ -480,8 +483,7 @@ impl Communicator {
             Some(s) => s.addr().to_string(),
             None => master.clone(),
         };
-        let store = StoreClient::connect(&store_addr, cfg.timeout, token.as_ref())
-            .map_err(|e| store_connect_error(&format!("rank {}: ", cfg.rank), e))?;
+        let store = join_store(&store_addr, cfg.rank, cfg.timeout, token.as_ref())?;
         let ip = bootstrap::select_listen_ip(
             cfg.socket_ifname.as_deref(),
             cfg.listen_host.as_deref(),
@@ -559,6 +561,7 @@ impl Communicator {
             host_id: host_id.clone(),
             nsocks,
             transport: transport.to_string(),
+            world_size: size,
         };
         let peers = bootstrap::exchange_peer_info(&mut store, &comm_id, rank, size, &me, timeout)?;
         // Both ends of a link must cut large frames into the same stripes.
@@ -687,7 +690,8 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
             hier_layout,
-            corrupt_results: std::env::var("HCOMM_FAULT_INJECT").is_ok_and(|v| v == "corrupt-one"),
+            corrupt_results: std::env::var("HCOMM_FAULT_INJECT")
+                .is_ok_and(|v| v.trim() == "corrupt-one"),
             token,
             listen_addr,
             link_counters,
@@ -1761,6 +1765,42 @@ fn p2p_protocol(
         return Err(e);
     }
     earlier_nack(links)
+}
+
+/// Connect to the store at `addr` as world rank `rank`, skipping a store this rank has already
+/// joined once: a communicator that was dropped and is being created again on the same master
+/// port (`InitHcom` after `DestroyHcom`) can come back while rank 0 still holds the old store,
+/// whose peer list is stale; that store goes away when rank 0 drops its communicator, and rank
+/// 0's new one takes the port, so this rank keeps trying until `timeout`.
+fn join_store(
+    addr: &str,
+    rank: usize,
+    timeout: Duration,
+    token: Option<&JobToken>,
+) -> Result<StoreClient> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut store = StoreClient::connect(addr, left.max(Duration::from_millis(10)), token)
+            .map_err(|e| store_connect_error(&format!("rank {rank}: "), e))?;
+        let joins = store
+            .add(&format!("world/joined/{rank}"), 1)
+            .map_err(|e| Error::Config(format!("rank {rank}: rendezvous store at {addr}: {e}")))?;
+        if joins == 1 {
+            return Ok(store);
+        }
+        drop(store);
+        if Instant::now() + pause >= deadline {
+            return Err(Error::Config(format!(
+                "rank {rank}: the rendezvous store at {addr} was already joined by a rank {rank} \
+                 for {timeout:?}: it belongs to an earlier communicator of this job that rank 0 \
+                 still holds (drop it there first), or to another job on this port"
+            )));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
 }
 
 /// This rank is done with the store's part of setting up communicator `comm_id`: the last of

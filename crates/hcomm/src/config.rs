@@ -705,6 +705,51 @@ impl BootstrapConfig {
     }
 }
 
+/// Checks the tuning and test variables, which the library reads where it uses them
+/// (`HCOMM_SPIN_US`, `HCOMM_SHM_CHUNK`, `HCOMM_SHM_P2P_BYTES`, `HCOMM_SOCKET_BUF`,
+/// `HCOMM_FAULT_INJECT`), so that a bad value fails the communicator's creation with a
+/// message naming it instead of being ignored. Empty counts as unset.
+pub fn check_tuning_variables() -> Result<(), String> {
+    check_tuning(&|name| env_var(name))
+}
+
+fn check_tuning(get: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+    // (variable, what it counts, the accepted range, whether 0 is also accepted)
+    let numbers: [(&str, &str, usize, usize, bool); 4] = [
+        ("HCOMM_SPIN_US", "microseconds", 0, 1_000_000, true),
+        ("HCOMM_SHM_CHUNK", "bytes", 16 * KIB, 64 * MIB, false),
+        ("HCOMM_SHM_P2P_BYTES", "bytes", 4 * KIB, 64 * MIB, true),
+        ("HCOMM_SOCKET_BUF", "bytes", 4 * KIB, 1 << 30, true),
+    ];
+    for (var, unit, lo, hi, zero) in numbers {
+        let Some(value) = get(var)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+        else {
+            continue;
+        };
+        let zero_too = if zero && lo > 0 { " or 0" } else { "" };
+        let n = parse_uint(var, &value).map_err(|_| {
+            format!("{var}={value}: expected a whole number of {unit}, {lo} to {hi}{zero_too}")
+        })?;
+        if !((lo..=hi).contains(&n) || (zero && n == 0)) {
+            return Err(format!(
+                "{var}={value}: out of range; expected {lo} to {hi} {unit}{zero_too}"
+            ));
+        }
+    }
+    if let Some(v) = get("HCOMM_FAULT_INJECT").filter(|v| !v.trim().is_empty()) {
+        if v.trim() != "corrupt-one" {
+            return Err(format!(
+                "HCOMM_FAULT_INJECT={v}: the only fault is corrupt-one (the last rank flips a bit of every collective result)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parses a duration: a plain number of seconds (`"30"`, `"2.5"`) or a
 /// number with a unit `ms`, `s`, `m` or `h` (`"500ms"`, `"30s"`, `"2m"`,
 /// `"1h"`). Surrounding whitespace is ignored. Negative, empty and malformed
@@ -1072,6 +1117,74 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         BootstrapConfig::from_vars(|k| map.get(k).cloned())
+    }
+
+    fn tuning(pairs: &[(&str, &str)]) -> Result<(), String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        check_tuning(&|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn tuning_variables_are_checked_and_bad_values_named() {
+        for good in [
+            vec![],
+            vec![("HCOMM_SPIN_US", "0")],
+            vec![("HCOMM_SPIN_US", " 50 ")],
+            vec![("HCOMM_SHM_CHUNK", "16384")],
+            vec![("HCOMM_SHM_CHUNK", "")],
+            vec![("HCOMM_SHM_P2P_BYTES", "0")],
+            vec![("HCOMM_SHM_P2P_BYTES", "262144")],
+            vec![("HCOMM_SOCKET_BUF", "0")],
+            vec![("HCOMM_SOCKET_BUF", "4194304")],
+            vec![("HCOMM_FAULT_INJECT", "corrupt-one")],
+        ] {
+            assert_eq!(tuning(&good), Ok(()), "{good:?}");
+        }
+        for (var, value, want) in [
+            (
+                "HCOMM_SPIN_US",
+                "xyz",
+                "HCOMM_SPIN_US=xyz: expected a whole number of microseconds",
+            ),
+            ("HCOMM_SPIN_US", "-1", "HCOMM_SPIN_US=-1: expected"),
+            (
+                "HCOMM_SPIN_US",
+                "2000000",
+                "HCOMM_SPIN_US=2000000: out of range",
+            ),
+            (
+                "HCOMM_SHM_CHUNK",
+                "xyz",
+                "HCOMM_SHM_CHUNK=xyz: expected a whole number of bytes, 16384 to 67108864",
+            ),
+            (
+                "HCOMM_SHM_CHUNK",
+                "0",
+                "HCOMM_SHM_CHUNK=0: out of range; expected 16384 to 67108864 bytes",
+            ),
+            (
+                "HCOMM_SHM_P2P_BYTES",
+                "abc",
+                "HCOMM_SHM_P2P_BYTES=abc: expected a whole number of bytes, 4096 to 67108864 or 0",
+            ),
+            (
+                "HCOMM_SHM_P2P_BYTES",
+                "100",
+                "HCOMM_SHM_P2P_BYTES=100: out of range",
+            ),
+            ("HCOMM_SOCKET_BUF", "abc", "HCOMM_SOCKET_BUF=abc: expected"),
+            (
+                "HCOMM_FAULT_INJECT",
+                "bogus",
+                "HCOMM_FAULT_INJECT=bogus: the only fault is corrupt-one",
+            ),
+        ] {
+            let e = tuning(&[(var, value)]).expect_err(value);
+            assert!(e.starts_with(want), "{var}={value}: {e}");
+        }
     }
 
     fn ok(pairs: &[(&str, &str)]) -> BootstrapConfig {

@@ -215,6 +215,62 @@ fn bootstrap_errors_name_the_problem() {
     }
 }
 
+/// Ranks started with different world sizes (either one larger) all fail with an error that
+/// says so, instead of some of them waiting out the timeout.
+#[test]
+fn ranks_started_with_different_world_sizes_fail_saying_so() {
+    const TEST: &str = "ranks_started_with_different_world_sizes_fail_saying_so";
+    if is_worker() {
+        let e = Communicator::from_env().expect_err("bootstrap must fail");
+        println!("ERROR: {e}");
+        return;
+    }
+    for sizes in [[2, 3], [3, 2]] {
+        let port = free_port();
+        let kids = spawn(TEST, 2, |r| {
+            let mut e = rank_env(r, sizes[r], port);
+            // Long enough that a rank left waiting would name the timeout, not the sizes.
+            e.push(("HCOMM_TIMEOUT".into(), "30s".into()));
+            e
+        });
+        let res = wait_all(kids, Duration::from_secs(60));
+        for (r, (code, out)) in res.iter().enumerate() {
+            assert_eq!(*code, Some(0), "sizes {sizes:?}: rank {r}:\n{out}");
+            assert!(
+                out.contains("the world size differs between ranks: rank 0 was started with"),
+                "sizes {sizes:?}: rank {r}:\n{}",
+                every_output(&res)
+            );
+        }
+    }
+}
+
+/// Two ranks of four start: rank 0's timeout names both missing ranks.
+#[test]
+fn a_bootstrap_timeout_names_every_missing_rank() {
+    const TEST: &str = "a_bootstrap_timeout_names_every_missing_rank";
+    if is_worker() {
+        let e = Communicator::from_env().expect_err("bootstrap must fail");
+        println!("ERROR: {e}");
+        return;
+    }
+    let port = free_port();
+    let kids = spawn(TEST, 2, |r| {
+        let mut e = rank_env(r, 4, port);
+        e.push(("HCOMM_TIMEOUT".into(), "2s".into()));
+        e
+    });
+    let res = wait_all(kids, Duration::from_secs(60));
+    assert!(
+        res[0].1.contains("waiting for rank(s) [2, 3]")
+            && res[0]
+                .1
+                .contains("ranks 2, 3 never joined communicator 'world' (4 ranks expected)"),
+        "{}",
+        every_output(&res)
+    );
+}
+
 /// How a survivor's error names the cause: `PeerClosed(p)`, `Timeout([p..])`, or
 /// `Remote(r blames c)` when another rank told it.
 fn blame(err: &Error) -> String {
@@ -834,4 +890,61 @@ fn a_departed_peer_does_not_fail_point_to_point_between_others() {
         |r| rank_env(r, n, port),
     );
     assert_all_ok(&wait_all(kids, Duration::from_secs(60)));
+}
+
+/// Each rank creates, uses and drops a communicator on the same master port several times,
+/// back to back, with rank `HCOMM_TEST_SLOW` dawdling before each drop (so the others come
+/// back to the port while the old store still lives).
+fn recreated_worker() {
+    let slow: Option<usize> = std::env::var("HCOMM_TEST_SLOW")
+        .ok()
+        .map(|v| v.parse().unwrap());
+    for round in 0..4u64 {
+        let comm = Communicator::from_env()
+            .unwrap_or_else(|e| panic!("round {round}: creating the communicator: {e}"));
+        let n = comm.world_size() as u64;
+        let mut v = vec![comm.rank() as u64 + round; 1000];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+            .unwrap_or_else(|e| panic!("round {round}: all-reduce: {e}"));
+        assert!(
+            v.iter().all(|&x| x == n * (n - 1) / 2 + n * round),
+            "round {round}"
+        );
+        if slow == Some(comm.rank()) {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        drop(comm);
+    }
+    println!("WORKER OK");
+}
+
+/// A communicator can be created again on the same master port as soon as the last one is
+/// dropped (the pattern of `InitHcom` / `DestroyHcom` in a loop): rank 0's new store binds the
+/// port its old one held, and a rank that comes back while rank 0 still holds the old store
+/// waits for the new one instead of joining the old (whose peer list is stale).
+#[test]
+fn a_communicator_can_be_created_again_on_the_same_port_at_once() {
+    const TEST: &str = "a_communicator_can_be_created_again_on_the_same_port_at_once";
+    if is_worker() {
+        return recreated_worker();
+    }
+    for slow in ["none", "0", "1"] {
+        let port = free_port();
+        let kids = spawn(TEST, 3, |r| {
+            let mut e = rank_env(r, 3, port);
+            e.push(("HCOMM_TIMEOUT".into(), "20s".into()));
+            if slow != "none" {
+                e.push(("HCOMM_TEST_SLOW".into(), slow.into()));
+            }
+            e
+        });
+        let res = wait_all(kids, Duration::from_secs(90));
+        for (r, (code, out)) in res.iter().enumerate() {
+            assert!(
+                *code == Some(0) && out.contains("WORKER OK"),
+                "slow rank {slow}: rank {r} failed:\n{}",
+                every_output(&res)
+            );
+        }
+    }
 }

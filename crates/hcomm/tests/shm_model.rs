@@ -49,6 +49,8 @@ fn double_buffered_slots_are_never_overwritten_while_read() {
                 let peer = 1 - me;
                 for call in 0..CALLS {
                     let q = (call % 2) as usize;
+                    // SAFETY (both accesses): loom's cell pointers are valid; a racing access is
+                    // exactly what loom reports, which is what this model checks.
                     slots[me][q].with_mut(|p| unsafe { *p = 100 * me as u32 + call });
                     counters[me].store(call + 1, Ordering::Release);
                     while counters[peer].load(Ordering::Acquire) < call + 1 {
@@ -93,6 +95,8 @@ impl Bytes for LoomBytes {
         self.0.len()
     }
     unsafe fn copy_in(&self, at: usize, src: &[u8]) {
+        // SAFETY (here and in copy_out): loom's cell pointers are valid, and loom reports any
+        // access racing with another, which is what the model checks.
         for (i, &b) in src.iter().enumerate() {
             self.0[at + i].with_mut(|p| unsafe { *p = b });
         }

@@ -26,6 +26,10 @@ pub struct PeerInfo {
     /// ranks that set it up must not meet in one job (the latter would wait for the former).
     #[serde(default = "auto")]
     pub transport: String,
+    /// The number of ranks this rank was told the communicator has (0: not said), so that
+    /// ranks started with different world sizes fail at once, saying so.
+    #[serde(default)]
+    pub world_size: usize,
 }
 
 fn one() -> usize {
@@ -194,25 +198,66 @@ pub fn exchange_peer_info(
 ) -> Result<Vec<PeerInfo>> {
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let mine = serde_json::to_vec(me).expect("serialisable");
+    let mine = serde_json::to_vec(&PeerInfo {
+        world_size: size,
+        ..me.clone()
+    })
+    .expect("serialisable");
     store
         .set(&format!("{comm_id}/peer/{rank}"), &mine)
         .map_err(store_err)?;
     let all_key = format!("{comm_id}/peers");
     if rank == 0 {
         let mut all = Vec::with_capacity(size);
+        // What rank 0 publishes instead of the list when the ranks cannot form one, so that
+        // every rank fails at once with the same reason.
+        let refuse = |store: &mut StoreClient, why: String| -> Result<Vec<PeerInfo>> {
+            let record = serde_json::json!({ "error": why });
+            store
+                .set(&all_key, record.to_string().as_bytes())
+                .map_err(store_err)?;
+            Err(Error::Config(why))
+        };
         for r in 0..size {
-            let v = store.get(&format!("{comm_id}/peer/{r}"), left()).map_err(|e| match e {
-                store::StoreError::Timeout(..) => Error::Timeout {
-                    ctx: crate::error::OpContext { op: "bootstrap", seq: 0 },
-                    peers: vec![r],
-                    after: timeout,
-                    detail: format!("rank {r} never joined communicator '{comm_id}' ({size} ranks expected)"),
-                },
-                other => store_err(other),
-            })?;
+            let v = match store.get(&format!("{comm_id}/peer/{r}"), left()) {
+                Ok(v) => v,
+                Err(store::StoreError::Timeout(..)) => {
+                    // Name every rank still missing, not only the first.
+                    let mut missing = vec![r];
+                    for later in r + 1..size {
+                        if !store
+                            .check(&format!("{comm_id}/peer/{later}"))
+                            .unwrap_or(false)
+                        {
+                            missing.push(later);
+                        }
+                    }
+                    let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
+                    return Err(Error::Timeout {
+                        ctx: crate::error::OpContext { op: "bootstrap", seq: 0 },
+                        detail: format!(
+                            "rank{} {} never joined communicator '{comm_id}' ({size} ranks expected)",
+                            if missing.len() > 1 { "s" } else { "" },
+                            list.join(", ")
+                        ),
+                        peers: missing,
+                        after: timeout,
+                    });
+                }
+                Err(other) => return Err(store_err(other)),
+            };
             let info: PeerInfo = serde_json::from_slice(&v)
                 .map_err(|e| Error::Config(format!("bad peer record of rank {r}: {e}")))?;
+            if info.world_size != 0 && info.world_size != size {
+                return refuse(
+                    store,
+                    format!(
+                        "the world size differs between ranks: rank 0 was started with {size} \
+                         ranks, rank {r} with {}; start every rank with the same world size",
+                        info.world_size
+                    ),
+                );
+            }
             all.push(info);
         }
         store
@@ -229,11 +274,23 @@ pub fn exchange_peer_info(
             },
             other => store_err(other),
         })?;
-        let all: Vec<PeerInfo> =
-            serde_json::from_slice(&v).map_err(|e| Error::Config(format!("bad peer list: {e}")))?;
+        let all: Vec<PeerInfo> = match serde_json::from_slice(&v) {
+            Ok(all) => all,
+            Err(e) => {
+                #[derive(Deserialize)]
+                struct Refusal {
+                    error: String,
+                }
+                return Err(Error::Config(match serde_json::from_slice::<Refusal>(&v) {
+                    Ok(r) => r.error,
+                    Err(_) => format!("bad peer list: {e}"),
+                }));
+            }
+        };
         if all.len() != size {
             return Err(Error::Config(format!(
-                "peer list has {} entries, expected {size} (two jobs sharing a master port?)",
+                "the world size differs between ranks: rank 0 was started with {} ranks, \
+                 this rank ({rank}) with {size} (or two jobs share a master port)",
                 all.len()
             )));
         }

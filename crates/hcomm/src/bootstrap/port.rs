@@ -13,6 +13,7 @@ use std::io;
 use std::net::TcpListener;
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// The lowest port considered (below it are registered services).
 const LOWEST: u16 = 10000;
@@ -47,11 +48,15 @@ pub fn free_master_port(host: &str) -> io::Result<u16> {
     static TRIED: AtomicUsize = AtomicUsize::new(0);
     let pool = candidates(&ephemeral_range());
     if !pool.is_empty() {
-        // A different starting point in every process, so that processes started together
-        // (several launchers, several test binaries) seldom try the same ports.
-        let mut h = RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        let start = h.finish() as usize;
+        // A different starting point in every process (the same for all its calls), so that
+        // processes started together (several launchers, several test binaries) seldom try
+        // the same ports.
+        static START: OnceLock<usize> = OnceLock::new();
+        let start = *START.get_or_init(|| {
+            let mut h = RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish() as usize
+        });
         for _ in 0..pool.len().min(512) {
             let i = TRIED.fetch_add(1, Ordering::Relaxed);
             let port = pool[start.wrapping_add(i) % pool.len()];

@@ -422,6 +422,9 @@ pub struct StoreServer {
     stop: Arc<AtomicBool>,
     table: Arc<Table>,
     counters: Arc<Counters>,
+    /// The listening socket (shared with the accept loop), shut down on drop to end it.
+    listener: TcpListener,
+    accept_loop: Option<thread::JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -431,11 +434,13 @@ impl StoreServer {
     pub fn start(addr: SocketAddr, token: Option<JobToken>) -> io::Result<StoreServer> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
-        let server = StoreServer {
+        let mut server = StoreServer {
             addr,
             stop: Arc::new(AtomicBool::new(false)),
             table: Arc::new(Table::default()),
             counters: Arc::new(Counters::default()),
+            listener: listener.try_clone()?,
+            accept_loop: None,
         };
         let shared = Shared {
             stop: server.stop.clone(),
@@ -444,9 +449,11 @@ impl StoreServer {
             token,
             pending: Arc::new(AtomicUsize::new(0)),
         };
-        thread::Builder::new()
-            .name("hcomm-store".into())
-            .spawn(move || accept_loop(listener, shared))?;
+        server.accept_loop = Some(
+            thread::Builder::new()
+                .name("hcomm-store".into())
+                .spawn(move || accept_loop(listener, shared))?,
+        );
         Ok(server)
     }
 
@@ -462,11 +469,22 @@ impl StoreServer {
 }
 
 impl Drop for StoreServer {
+    /// Stops serving and closes the port before returning, so that a new server (a
+    /// communicator created again at once) can listen on it.
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.table.changed.notify_all();
-        // Wake the accept loop.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        // Wake the accept loop: shutting a listening socket down fails its accept() (Linux);
+        // a connection does too, where that does not.
+        if socket2::SockRef::from(&self.listener)
+            .shutdown(Shutdown::Both)
+            .is_err()
+        {
+            let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        }
+        if let Some(t) = self.accept_loop.take() {
+            let _ = t.join();
+        }
     }
 }
 
