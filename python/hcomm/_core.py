@@ -606,9 +606,11 @@ class Communicator:
     def destroy(self) -> None:
         """Leave the group now rather than when the last reference to this object goes: its
         connections close and, on rank 0, the rendezvous store frees the master port, so a
-        new communicator can be made on it at once. Operations already issued finish first
-        (their ``Work`` keeps them going); every later call raises :class:`HcommError`.
-        Destroying twice is harmless. :func:`DestroyHcom` destroys the default communicator."""
+        new communicator can be made on it at once. Groups made from it (``split``,
+        ``new_group``) share its connections and store, and operations already issued finish
+        first (their ``Work`` keeps them going): until those are gone too, the port stays
+        taken. Every later call raises :class:`HcommError`. Destroying twice is harmless.
+        :func:`DestroyHcom` destroys the default communicator."""
         if not isinstance(self._c, _Destroyed):
             self._c = _Destroyed(self.name)
 

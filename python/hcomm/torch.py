@@ -303,8 +303,12 @@ class HcommBackend(_C10dBackend):
         super().__init__(rank, size)
         self._options = _C10dBackend.Options(BACKEND_NAME, timeout=timeout)
         self.comm = comm if comm is not None else _bootstrap(store, rank, size, timeout)
-        self._c = self.comm._c
         self._waiter = _Waiter("hcomm-torch-waiter")
+
+    @property
+    def _c(self) -> Any:
+        # Looked up on every call, so that a destroyed communicator is refused here too.
+        return self.comm._c
 
     def _run(self, opts: Any, out: torch.Tensor, keep: tuple, call: Callable[[torch.Tensor, bool], Any]) -> dist._Work:
         """Run `call(buffer, async_op)` writing `out` (through a contiguous copy if `out` is

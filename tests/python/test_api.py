@@ -108,6 +108,34 @@ def test_library_argument_errors_are_invalid_argument_errors(comm):
     comm.all_reduce(a)
 
 
+FORK_CHILD_EXITS = """
+import os, sys
+import numpy as np
+import hcomm
+c = hcomm.InitHcom()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child's interpreter shuts down, dropping its copy of the communicator
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+g = c.new_group([0])  # needs rank 0's store, which the child must have left serving
+a = np.ones(3)
+g.all_reduce(a)
+print("FORK OK", flush=True)
+"""
+
+
+def test_a_forked_child_exiting_leaves_rank_0s_store_serving(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HCOMM_RANK="0", HCOMM_WORLD_SIZE="1", HCOMM_MASTER_ADDR="127.0.0.1", HCOMM_MASTER_PORT=str(free_port()), HCOMM_TIMEOUT="20")
+    env.pop("HCOMM_RANK_TABLE", None)
+    r = subprocess.run([sys.executable, "-c", FORK_CHILD_EXITS], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "FORK OK" in r.stdout, r.stdout + r.stderr
+    assert "PanicException" not in r.stderr, r.stderr
+
+
 def test_a_destroyed_communicator_refuses_calls_and_destroy_hcom_destroys(default):
     assert not default.destroyed
     hcomm.DestroyHcom()

@@ -540,11 +540,7 @@ fn doctor_reports_a_bad_rank_table_by_field() {
 
 #[test]
 fn doctor_reports_an_unreachable_master() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = hcomm::bootstrap::free_master_port("127.0.0.1").unwrap();
     let env = [
         ("HCOMM_RANK", "1".to_string()),
         ("HCOMM_WORLD_SIZE", "2".to_string()),

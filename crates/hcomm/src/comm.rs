@@ -1767,11 +1767,14 @@ fn p2p_protocol(
     earlier_nack(links)
 }
 
-/// Connect to the store at `addr` as world rank `rank`, skipping a store this rank has already
-/// joined once: a communicator that was dropped and is being created again on the same master
-/// port (`InitHcom` after `DestroyHcom`) can come back while rank 0 still holds the old store,
-/// whose peer list is stale; that store goes away when rank 0 drops its communicator, and rank
-/// 0's new one takes the port, so this rank keeps trying until `timeout`.
+/// Connect to the store at `addr` as world rank `rank`, skipping a store whose world has
+/// already formed: a communicator that was dropped and is being created again on the same
+/// master port (`InitHcom` after `DestroyHcom`) can come back while rank 0 still holds the old
+/// store, whose peer list is stale. Rank 0 publishes the list only after every rank's record
+/// is in, which this (new) rank's is not yet, so a store with a list is never this join's.
+/// That store goes away when rank 0 drops its communicator and rank 0's new one takes the
+/// port, so this rank keeps trying until `timeout`. A store whose list is rank 0's refusal
+/// (the ranks disagree) fails this rank with that reason.
 fn join_store(
     addr: &str,
     rank: usize,
@@ -1780,22 +1783,36 @@ fn join_store(
 ) -> Result<StoreClient> {
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(10);
+    let list_key = bootstrap::peer_list_key("world");
+    let store_error = |e| Error::Config(format!("rank {rank}: rendezvous store at {addr}: {e}"));
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let mut store = StoreClient::connect(addr, left.max(Duration::from_millis(10)), token)
+            .map_err(|e| match e {
+                // Say how long this rank tried in all, not in this last attempt.
+                StoreError::Unreachable { addr, last, .. } => StoreError::Unreachable {
+                    addr,
+                    after: timeout,
+                    last,
+                },
+                other => other,
+            })
             .map_err(|e| store_connect_error(&format!("rank {rank}: "), e))?;
-        let joins = store
-            .add(&format!("world/joined/{rank}"), 1)
-            .map_err(|e| Error::Config(format!("rank {rank}: rendezvous store at {addr}: {e}")))?;
-        if joins == 1 {
+        if !store.check(&list_key).map_err(store_error)? {
             return Ok(store);
+        }
+        let list = store
+            .get(&list_key, Duration::from_millis(100))
+            .map_err(store_error)?;
+        if let Some(why) = bootstrap::refusal(&list) {
+            return Err(Error::Config(why));
         }
         drop(store);
         if Instant::now() + pause >= deadline {
             return Err(Error::Config(format!(
-                "rank {rank}: the rendezvous store at {addr} was already joined by a rank {rank} \
-                 for {timeout:?}: it belongs to an earlier communicator of this job that rank 0 \
-                 still holds (drop it there first), or to another job on this port"
+                "rank {rank}: the rendezvous store at {addr} still served a communicator formed \
+                 without this rank after {timeout:?}: rank 0 has not dropped its earlier \
+                 communicator on this port (drop it first), or another job uses the port"
             )));
         }
         std::thread::sleep(pause);

@@ -215,6 +215,42 @@ fn bootstrap_errors_name_the_problem() {
     }
 }
 
+/// A rank whose first attempt to join failed after reaching the store (here: a network
+/// interface that does not exist) can try again in the same job, while rank 0 still waits
+/// for it.
+#[test]
+fn a_rank_can_try_joining_again_after_a_failed_attempt() {
+    let port = free_port();
+    let config = |rank: usize, extra: &[(&str, &str)]| {
+        let mut vars: std::collections::HashMap<String, String> =
+            rank_env(rank, 2, port).into_iter().collect();
+        vars.insert("HCOMM_TIMEOUT".into(), "20s".into());
+        for (k, v) in extra {
+            vars.insert(k.to_string(), v.to_string());
+        }
+        hcomm::BootstrapConfig::from_vars(|k| vars.get(k).cloned()).unwrap()
+    };
+    let (first, second, zero) = std::thread::scope(|s| {
+        let zero = s.spawn(|| Communicator::from_config(&config(0, &[])));
+        let first = Communicator::from_config(&config(1, &[("HCOMM_SOCKET_IFNAME", "nosuchif0")]));
+        let second = Communicator::from_config(&config(1, &[]));
+        (first, second, zero.join().unwrap())
+    });
+    let e = first.expect_err("the first attempt names a missing interface");
+    assert!(e.to_string().contains("nosuchif0"), "{e}");
+    let (one, zero) = (second.unwrap(), zero.unwrap());
+    let mut v = [1u32; 4];
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut w = [2u32; 4];
+            zero.all_reduce_in_place(&mut w, ReduceOp::Sum).unwrap();
+            assert_eq!(w, [3; 4]);
+        });
+        one.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+    });
+    assert_eq!(v, [3; 4]);
+}
+
 /// Ranks started with different world sizes (either one larger) all fail with an error that
 /// says so, instead of some of them waiting out the timeout.
 #[test]

@@ -176,5 +176,16 @@ except (ValueError, RuntimeError) as e:
     assert "not supported" in str(e), e
 ok("errors")
 
+# A subgroup whose communicator is destroyed refuses calls (the backend must not keep using it).
+if W > 1:
+    sub2 = dist.new_group(ranks=list(range(W)), backend="hcomm")
+    hcomm.torch.communicator_of(sub2).destroy()
+    try:
+        dist.all_reduce(torch.ones(2), group=sub2)
+        raise AssertionError("a destroyed communicator must refuse")
+    except (hcomm.HcommError, RuntimeError) as e:
+        assert "destroyed" in str(e), e
+    ok("destroyed communicator refused")
+
 dist.destroy_process_group()
 print("WORKER OK", flush=True)

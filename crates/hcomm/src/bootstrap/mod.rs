@@ -206,7 +206,29 @@ pub fn exchange_peer_info(
     store
         .set(&format!("{comm_id}/peer/{rank}"), &mine)
         .map_err(store_err)?;
-    let all_key = format!("{comm_id}/peers");
+    let all_key = peer_list_key(comm_id);
+    // The ranks whose records are not in the store yet (for a timeout's message).
+    let missing = |store: &mut StoreClient| -> Vec<usize> {
+        (0..size)
+            .filter(|r| !store.check(&format!("{comm_id}/peer/{r}")).unwrap_or(false))
+            .collect()
+    };
+    let never_joined = |missing: Vec<usize>, who: &str| {
+        let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
+        Error::Timeout {
+            ctx: crate::error::OpContext {
+                op: "bootstrap",
+                seq: 0,
+            },
+            detail: format!(
+                "{who}rank{} {} never joined communicator '{comm_id}' ({size} ranks expected)",
+                if missing.len() > 1 { "s" } else { "" },
+                list.join(", ")
+            ),
+            peers: missing,
+            after: timeout,
+        }
+    };
     if rank == 0 {
         let mut all = Vec::with_capacity(size);
         // What rank 0 publishes instead of the list when the ranks cannot form one, so that
@@ -222,27 +244,7 @@ pub fn exchange_peer_info(
             let v = match store.get(&format!("{comm_id}/peer/{r}"), left()) {
                 Ok(v) => v,
                 Err(store::StoreError::Timeout(..)) => {
-                    // Name every rank still missing, not only the first.
-                    let mut missing = vec![r];
-                    for later in r + 1..size {
-                        if !store
-                            .check(&format!("{comm_id}/peer/{later}"))
-                            .unwrap_or(false)
-                        {
-                            missing.push(later);
-                        }
-                    }
-                    let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
-                    return Err(Error::Timeout {
-                        ctx: crate::error::OpContext { op: "bootstrap", seq: 0 },
-                        detail: format!(
-                            "rank{} {} never joined communicator '{comm_id}' ({size} ranks expected)",
-                            if missing.len() > 1 { "s" } else { "" },
-                            list.join(", ")
-                        ),
-                        peers: missing,
-                        after: timeout,
-                    });
+                    return Err(never_joined(missing(store), ""));
                 }
                 Err(other) => return Err(store_err(other)),
             };
@@ -265,26 +267,36 @@ pub fn exchange_peer_info(
             .map_err(store_err)?;
         Ok(all)
     } else {
-        let v = store.get(&all_key, left()).map_err(|e| match e {
-            store::StoreError::Timeout(..) => Error::Timeout {
-                ctx: crate::error::OpContext { op: "bootstrap", seq: 0 },
-                peers: vec![0],
-                after: timeout,
-                detail: format!("rank 0 did not publish the peer list of '{comm_id}' (some rank has not joined)"),
-            },
-            other => store_err(other),
-        })?;
+        let v = match store.get(&all_key, left()) {
+            Ok(v) => v,
+            Err(store::StoreError::Timeout(..)) => {
+                // Rank 0 publishes the list once every rank's record is in.
+                let mut missing = missing(store);
+                missing.retain(|&r| r != 0);
+                return Err(if missing.is_empty() {
+                    Error::Timeout {
+                        ctx: crate::error::OpContext {
+                            op: "bootstrap",
+                            seq: 0,
+                        },
+                        peers: vec![0],
+                        after: timeout,
+                        detail: format!(
+                            "rank 0 did not publish the peer list of '{comm_id}' though every rank joined"
+                        ),
+                    }
+                } else {
+                    never_joined(missing, "rank 0 is waiting: ")
+                });
+            }
+            Err(other) => return Err(store_err(other)),
+        };
         let all: Vec<PeerInfo> = match serde_json::from_slice(&v) {
             Ok(all) => all,
             Err(e) => {
-                #[derive(Deserialize)]
-                struct Refusal {
-                    error: String,
-                }
-                return Err(Error::Config(match serde_json::from_slice::<Refusal>(&v) {
-                    Ok(r) => r.error,
-                    Err(_) => format!("bad peer list: {e}"),
-                }));
+                return Err(Error::Config(
+                    refusal(&v).unwrap_or_else(|| format!("bad peer list: {e}")),
+                ))
             }
         };
         if all.len() != size {
@@ -296,6 +308,23 @@ pub fn exchange_peer_info(
         }
         Ok(all)
     }
+}
+
+/// The store key under which rank 0 publishes communicator `comm_id`'s peer list (or why the
+/// ranks could not form it): once it exists, the communicator's exchange is over.
+pub fn peer_list_key(comm_id: &str) -> String {
+    format!("{comm_id}/peers")
+}
+
+/// The reason rank 0 published instead of a peer list, if `record` is one.
+pub fn refusal(record: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Refusal {
+        error: String,
+    }
+    serde_json::from_slice::<Refusal>(record)
+        .ok()
+        .map(|r| r.error)
 }
 
 #[cfg(test)]

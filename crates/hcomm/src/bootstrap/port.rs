@@ -10,7 +10,7 @@
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::io;
-use std::net::TcpListener;
+use std::net::{TcpListener, ToSocketAddrs};
 use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -46,6 +46,11 @@ fn candidates(ephemeral: &RangeInclusive<u16>) -> Vec<u16> {
 pub fn free_master_port(host: &str) -> io::Result<u16> {
     /// How many candidates this process has looked at: each call starts past the last.
     static TRIED: AtomicUsize = AtomicUsize::new(0);
+    // Resolve once (a host name would otherwise be looked up for every candidate).
+    let mut addr = (host, 0)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address")))?;
     let pool = candidates(&ephemeral_range());
     if !pool.is_empty() {
         // A different starting point in every process (the same for all its calls), so that
@@ -59,13 +64,17 @@ pub fn free_master_port(host: &str) -> io::Result<u16> {
         });
         for _ in 0..pool.len().min(512) {
             let i = TRIED.fetch_add(1, Ordering::Relaxed);
-            let port = pool[start.wrapping_add(i) % pool.len()];
-            if TcpListener::bind((host, port)).is_ok() {
-                return Ok(port);
+            addr.set_port(pool[start.wrapping_add(i) % pool.len()]);
+            match TcpListener::bind(addr) {
+                Ok(_) => return Ok(addr.port()),
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => continue,
+                // Not an address of this host, no permission, ...: no port would do.
+                Err(e) => return Err(e),
             }
         }
     }
-    Ok(TcpListener::bind((host, 0))?.local_addr()?.port())
+    addr.set_port(0);
+    Ok(TcpListener::bind(addr)?.local_addr()?.port())
 }
 
 #[cfg(test)]
@@ -95,6 +104,11 @@ mod tests {
             );
             TcpListener::bind(("127.0.0.1", p)).expect("the port is free");
         }
+        // One quick answer for an address that is not this host's (TEST-NET-1).
+        assert_eq!(
+            free_master_port("192.0.2.1").unwrap_err().kind(),
+            io::ErrorKind::AddrNotAvailable
+        );
         let mut unique = ports.clone();
         unique.sort_unstable();
         unique.dedup();

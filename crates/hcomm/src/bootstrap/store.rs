@@ -425,6 +425,9 @@ pub struct StoreServer {
     /// The listening socket (shared with the accept loop), shut down on drop to end it.
     listener: TcpListener,
     accept_loop: Option<thread::JoinHandle<()>>,
+    /// The process that started the server: a forked child shares the listening socket (and
+    /// has no accept thread), so its copy must not shut the socket down on drop.
+    owner_pid: u32,
 }
 
 impl StoreServer {
@@ -441,6 +444,7 @@ impl StoreServer {
             counters: Arc::new(Counters::default()),
             listener: listener.try_clone()?,
             accept_loop: None,
+            owner_pid: std::process::id(),
         };
         let shared = Shared {
             stop: server.stop.clone(),
@@ -472,6 +476,13 @@ impl Drop for StoreServer {
     /// Stops serving and closes the port before returning, so that a new server (a
     /// communicator created again at once) can listen on it.
     fn drop(&mut self) {
+        if std::process::id() != self.owner_pid {
+            // A forked child's copy: closing its descriptor (below, by the field's drop) is
+            // all; the socket and its accept loop are the parent's, and the thread handle
+            // names a thread this process does not have.
+            std::mem::forget(self.accept_loop.take());
+            return;
+        }
         self.stop.store(true, Ordering::SeqCst);
         self.table.changed.notify_all();
         // Wake the accept loop: shutting a listening socket down fails its accept() (Linux);
@@ -788,6 +799,32 @@ mod tests {
     use proptest::prelude::*;
 
     const SECS5: Duration = Duration::from_secs(5);
+
+    /// A forked child (a DataLoader worker, a subprocess) that drops its copy of rank 0's
+    /// server must leave the parent's server serving: the listening socket is shared.
+    #[test]
+    fn a_forked_child_dropping_its_copy_leaves_the_server_serving() {
+        use nix::sys::wait::{waitpid, WaitStatus};
+        use nix::unistd::{fork, ForkResult};
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let addr = server.addr().to_string();
+        // SAFETY: the child only drops its copy of the server (a getpid and a close; no lock
+        // another thread could hold) and leaves with _exit, whatever happens.
+        match unsafe { fork() }.unwrap() {
+            ForkResult::Child => {
+                let ok =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(server))).is_ok();
+                // SAFETY: _exit ends the child at once, running nothing of the parent's.
+                unsafe { nix::libc::_exit(if ok { 0 } else { 1 }) }
+            }
+            ForkResult::Parent { child } => {
+                assert_eq!(waitpid(child, None).unwrap(), WaitStatus::Exited(child, 0));
+                let mut c = StoreClient::connect(&addr, SECS5, None).unwrap();
+                c.set("k", b"v").unwrap();
+                assert_eq!(c.get("k", SECS5).unwrap(), b"v");
+            }
+        }
+    }
 
     fn token(s: &str) -> JobToken {
         JobToken::new(s.as_bytes()).unwrap()
