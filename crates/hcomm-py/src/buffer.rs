@@ -4,8 +4,8 @@
 //! `TypeError` (wrong kind of object, unsupported dtype) or a `ValueError` (not contiguous,
 //! not on the CPU, read-only output) naming the call and the argument.
 
-use hcomm::DType;
 use crate::errors::invalid_argument;
+use hcomm::DType;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

@@ -7,12 +7,12 @@
 //! step) and its size, as `hcomm::fusion::Fusion::with_compression` does.
 
 use crate::buffer::{buffer, dtype_name, Buf};
+use crate::errors::invalid_argument;
 use crate::errors::{blocking, to_pyerr};
 use hcomm::fusion::{
     prepare_bucket, reduce_bucket, Bucket, BucketPlanner, BucketState, BucketStates, FusionOptions,
 };
 use hcomm::{Communicator as Comm, CompressionState, DType, ReduceOp};
-use crate::errors::invalid_argument;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 

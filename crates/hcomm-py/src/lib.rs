@@ -346,9 +346,8 @@ impl PyComm {
         let (s, r) = match opt_buffer(OP, out_name(send), recv, true)? {
             Some(r) => (input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?, r),
             None => {
-                let s = opt_buffer(OP, "tensor", send, false)?.ok_or_else(|| {
-                    invalid_argument("reduce: give an input, an output, or both")
-                })?;
+                let s = opt_buffer(OP, "tensor", send, false)?
+                    .ok_or_else(|| invalid_argument("reduce: give an input, an output, or both"))?;
                 (Some(s), Buf::empty(s.dtype))
             }
         };
@@ -1000,9 +999,8 @@ fn dtype_size(name: &str) -> PyResult<usize> {
 /// numbers itself takes it before rank 0 binds it) and new to this process.
 #[pyfunction]
 fn free_master_port(host: &str) -> PyResult<u16> {
-    hcomm::bootstrap::free_master_port(host).map_err(|e| {
-        pyo3::exceptions::PyOSError::new_err(format!("no free port on {host}: {e}"))
-    })
+    hcomm::bootstrap::free_master_port(host)
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("no free port on {host}: {e}")))
 }
 
 /// The Rust extension of the `hcomm` package.
