@@ -238,6 +238,17 @@ pub fn exchange_peer_info(
             store
                 .set(&all_key, record.to_string().as_bytes())
                 .map_err(store_err)?;
+            // This rank's store goes with its failure: give the ranks waiting for the list a
+            // moment to read the reason (each counts itself as it does).
+            let readers = (1..size)
+                .filter(|r| store.check(&format!("{comm_id}/peer/{r}")).unwrap_or(false))
+                .count() as i64;
+            let until = Instant::now() + left().min(Duration::from_secs(2));
+            while store.add(&refusal_read_key(comm_id), 0).unwrap_or(readers) < readers
+                && Instant::now() < until
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
             Err(Error::Config(why))
         };
         for r in 0..size {
@@ -294,9 +305,14 @@ pub fn exchange_peer_info(
         let all: Vec<PeerInfo> = match serde_json::from_slice(&v) {
             Ok(all) => all,
             Err(e) => {
+                let why = refusal(&v);
+                if why.is_some() {
+                    // Rank 0 waits (briefly) for its readers before dropping the store.
+                    let _ = store.add(&refusal_read_key(comm_id), 1);
+                }
                 return Err(Error::Config(
-                    refusal(&v).unwrap_or_else(|| format!("bad peer list: {e}")),
-                ))
+                    why.unwrap_or_else(|| format!("bad peer list: {e}")),
+                ));
             }
         };
         if all.len() != size {
@@ -314,6 +330,11 @@ pub fn exchange_peer_info(
 /// ranks could not form it): once it exists, the communicator's exchange is over.
 pub fn peer_list_key(comm_id: &str) -> String {
     format!("{comm_id}/peers")
+}
+
+/// The counter of the ranks that read rank 0's refusal to form communicator `comm_id`.
+fn refusal_read_key(comm_id: &str) -> String {
+    format!("{comm_id}/peers/refusal-read")
 }
 
 /// The reason rank 0 published instead of a peer list, if `record` is one.
