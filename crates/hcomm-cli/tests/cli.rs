@@ -331,11 +331,11 @@ fn bad_input_is_rejected_with_a_message() {
 
 #[test]
 fn bench_accepts_np_with_an_equals_sign_and_fails_when_an_output_cannot_be_written() {
-    let (code, out, err) = hcomm(
-        &[
+    // One 8-byte all-reduce, two timed calls, on two ranks (`np`), then `more`.
+    let bench = |np: &[&str], more: &[&str]| {
+        let base = [
             "bench",
             "allreduce",
-            "-np=2",
             "-b",
             "8",
             "-e",
@@ -344,31 +344,15 @@ fn bench_accepts_np_with_an_equals_sign_and_fails_when_an_output_cannot_be_writt
             "2",
             "-w",
             "1",
-        ],
-        Duration::from_secs(60),
-    );
+        ];
+        let args: Vec<&str> = base.iter().chain(np).chain(more).copied().collect();
+        hcomm(&args, Duration::from_secs(60))
+    };
+    let (code, out, err) = bench(&["-np=2"], &[]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
     // The folder exists but the file cannot be made there: the run measures, then fails.
-    let (code, _, err) = hcomm(
-        &[
-            "bench",
-            "allreduce",
-            "--np",
-            "2",
-            "-b",
-            "8",
-            "-e",
-            "8",
-            "-n",
-            "2",
-            "-w",
-            "1",
-            "--results",
-            "/proc/hcomm-results.jsonl",
-        ],
-        Duration::from_secs(60),
-    );
+    let (code, _, err) = bench(&["--np", "2"], &["--results", "/proc/hcomm-results.jsonl"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("cannot update /proc/hcomm-results.jsonl"),

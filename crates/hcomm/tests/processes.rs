@@ -159,12 +159,16 @@ fn bootstrap_from_a_rank_table() {
     assert_all_ok(&res);
 }
 
+/// The worker of the tests whose ranks must fail to join: prints `ERROR: <why>`.
+fn failing_bootstrap_worker() {
+    let e = Communicator::from_env().expect_err("bootstrap must fail");
+    println!("ERROR: {e}");
+}
+
 #[test]
 fn bootstrap_errors_name_the_problem() {
     if is_worker() {
-        let e = Communicator::from_env().expect_err("bootstrap must fail");
-        println!("ERROR: {e}");
-        return;
+        return failing_bootstrap_worker();
     }
     let cases: Vec<(Vec<(&str, String)>, &str)> = vec![
         (vec![], "HCOMM_RANK"),
@@ -257,9 +261,7 @@ fn a_rank_can_try_joining_again_after_a_failed_attempt() {
 fn ranks_started_with_different_world_sizes_fail_saying_so() {
     const TEST: &str = "ranks_started_with_different_world_sizes_fail_saying_so";
     if is_worker() {
-        let e = Communicator::from_env().expect_err("bootstrap must fail");
-        println!("ERROR: {e}");
-        return;
+        return failing_bootstrap_worker();
     }
     for sizes in [[2, 3], [3, 2]] {
         let port = free_port();
@@ -286,9 +288,7 @@ fn ranks_started_with_different_world_sizes_fail_saying_so() {
 fn a_bootstrap_timeout_names_every_missing_rank() {
     const TEST: &str = "a_bootstrap_timeout_names_every_missing_rank";
     if is_worker() {
-        let e = Communicator::from_env().expect_err("bootstrap must fail");
-        println!("ERROR: {e}");
-        return;
+        return failing_bootstrap_worker();
     }
     let port = free_port();
     let kids = spawn(TEST, 2, |r| {
