@@ -728,6 +728,9 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
             }
         }
     }
+    // Every rank leaves only after rank 0 has written its report: a rank exiting with a
+    // failure first would have the launcher stop rank 0 mid-report.
+    comm.barrier()?;
     Ok(Outcome {
         wrong,
         output_failed,

@@ -273,6 +273,14 @@ fn join() -> Result<Communicator, ExitCode> {
     })
 }
 
+/// After rank 0 has written a subcommand's report, wait for every rank before exiting: a rank
+/// that exits with a failure first has the launcher stop the others, rank 0 mid-report. Only
+/// on paths where every rank ran the same operations (so the barrier meets); its own failure
+/// changes nothing about the exit code.
+fn leave_together(comm: &Communicator) {
+    let _ = comm.barrier();
+}
+
 /// Why a subcommand could not join the job; outside any job, it also says how to start ranks.
 fn cannot_join(e: &hcomm::Error) -> String {
     let hint = if in_job() {
@@ -349,6 +357,7 @@ fn cmd_demo(a: DemoArgs) -> ExitCode {
                     comm.world_size() > 1 && comm.p2p_over_shared_memory(1),
                 );
             }
+            leave_together(&comm);
             if rows.iter().all(|r| r.correct) {
                 ExitCode::SUCCESS
             } else {
@@ -429,6 +438,7 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
                         start.elapsed().as_secs_f64()
                     );
                 }
+                leave_together(&comm);
                 if r.wrong == 0 {
                     ExitCode::SUCCESS
                 } else {
@@ -454,6 +464,7 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
                     start.elapsed().as_secs_f64()
                 );
             }
+            leave_together(&comm);
             if failed == 0 {
                 ExitCode::SUCCESS
             } else {
