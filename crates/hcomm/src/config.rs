@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -714,16 +715,16 @@ pub fn check_tuning_variables() -> Result<(), String> {
 }
 
 fn check_tuning(get: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
-    const KIB: usize = 1 << 10;
-    const MIB: usize = 1 << 20;
+    use crate::shm::{p2p::RING_BYTES_RANGE, CHUNK_RANGE};
     // (variable, what it counts, the accepted range, whether 0 is also accepted)
-    let numbers: [(&str, &str, usize, usize, bool); 4] = [
-        ("HCOMM_SPIN_US", "microseconds", 0, 1_000_000, true),
-        ("HCOMM_SHM_CHUNK", "bytes", 16 * KIB, 64 * MIB, false),
-        ("HCOMM_SHM_P2P_BYTES", "bytes", 4 * KIB, 64 * MIB, true),
-        ("HCOMM_SOCKET_BUF", "bytes", 4 * KIB, 1 << 30, true),
+    let numbers: [(&str, &str, RangeInclusive<usize>, bool); 4] = [
+        ("HCOMM_SPIN_US", "microseconds", 0..=1_000_000, true),
+        ("HCOMM_SHM_CHUNK", "bytes", CHUNK_RANGE, false),
+        ("HCOMM_SHM_P2P_BYTES", "bytes", RING_BYTES_RANGE, true),
+        ("HCOMM_SOCKET_BUF", "bytes", (4 << 10)..=(1 << 30), true),
     ];
-    for (var, unit, lo, hi, zero) in numbers {
+    for (var, unit, range, zero) in numbers {
+        let (lo, hi) = (*range.start(), *range.end());
         let Some(value) = get(var)
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
@@ -734,7 +735,7 @@ fn check_tuning(get: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
         let n = parse_uint(var, &value).map_err(|_| {
             format!("{var}={value}: expected a whole number of {unit}, {lo} to {hi}{zero_too}")
         })?;
-        if !((lo..=hi).contains(&n) || (zero && n == 0)) {
+        if !(range.contains(&n) || (zero && n == 0)) {
             return Err(format!(
                 "{var}={value}: out of range; expected {lo} to {hi} {unit}{zero_too}"
             ));

@@ -291,6 +291,48 @@ fn first_diff(dtype: DType, got: &[u8], want: &[u8]) -> Option<String> {
     ))
 }
 
+/// The two-stage compressed all-reduce of `inputs` (one vector per rank), simulated from
+/// `codec`: for each chunk, every rank's part encoded and summed as decoded, and that sum
+/// encoded and decoded once more (what each chunk's owner sends back). The reference the
+/// compressed all-reduce's tests compare with bit for bit.
+pub fn two_stage_compressed<C: crate::compress::Codec>(
+    inputs: &[Vec<f32>],
+    codec: &mut C,
+    chunks: impl IntoIterator<Item = std::ops::Range<usize>>,
+) -> Vec<f32> {
+    let n = inputs[0].len();
+    let mut out = vec![0f32; n];
+    for c in chunks {
+        let mut sum = vec![0f32; c.len()];
+        for x in inputs {
+            let mut enc = vec![0u8; codec.encoded_len(c.len())];
+            codec.encode(&x[c.clone()], &mut enc).unwrap();
+            codec.decode_add(&enc, &mut sum).unwrap();
+        }
+        let mut enc = vec![0u8; codec.encoded_len(c.len())];
+        codec.encode(&sum, &mut enc).unwrap();
+        codec.decode(&enc, &mut out[c]).unwrap();
+    }
+    out
+}
+
+/// For error-feedback conservation checks: add what `state` holds back (its residual, placed
+/// at its slice of the vector when it has one, and its owner residual) into `sum`, and their
+/// magnitudes into `scale` (`sum` and `scale` span the whole vector).
+pub fn add_held_back(state: &crate::CompressionState, sum: &mut [f64], scale: &mut [f64]) {
+    let base = state.slice().map_or(0, |s| s.start);
+    for (i, v) in state.residual().iter().enumerate() {
+        sum[base + i] += *v as f64;
+        scale[base + i] += v.abs() as f64;
+    }
+    if let Some(owned) = state.owner_range() {
+        for (i, v) in owned.zip(state.owner_residual()) {
+            sum[i] += *v as f64;
+            scale[i] += v.abs() as f64;
+        }
+    }
+}
+
 /// How many elements of `got` differ from `want` (the `#wrong` column of benchmarks).
 pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8]) -> usize {
     let es = dtype.size();

@@ -71,20 +71,8 @@ fn chunks(n: usize, block: usize, world: usize) -> Vec<std::ops::Range<usize>> {
 
 /// The two-stage compressed all-reduce, simulated locally from the codecs.
 fn two_stage_sim<C: Codec>(inputs: &[Vec<f32>], codec: &mut C, block: usize) -> Vec<f32> {
-    let n = inputs[0].len();
-    let mut out = vec![0f32; n];
-    for c in chunks(n, block, inputs.len()) {
-        let mut sum = vec![0f32; c.len()];
-        for x in inputs {
-            let mut enc = vec![0u8; codec.encoded_len(c.len())];
-            codec.encode(&x[c.clone()], &mut enc).unwrap();
-            codec.decode_add(&enc, &mut sum).unwrap();
-        }
-        let mut enc = vec![0u8; codec.encoded_len(c.len())];
-        codec.encode(&sum, &mut enc).unwrap();
-        codec.decode(&enc, &mut out[c]).unwrap();
-    }
-    out
+    let chunks = chunks(inputs[0].len(), block, inputs.len());
+    hcomm::testing::two_stage_compressed(inputs, codec, chunks)
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -566,16 +554,7 @@ fn error_feedback_conserves_the_sum_of_inputs() {
                     if comp.is_lossy() {
                         assert_eq!(st.residual().len(), n, "{ctx}");
                     }
-                    for (i, r) in st.residual().iter().enumerate() {
-                        lhs[i] += *r as f64;
-                        scale[i] += r.abs() as f64;
-                    }
-                    if let Some(range) = st.owner_range() {
-                        for (i, r) in range.zip(st.owner_residual()) {
-                            lhs[i] += *r as f64;
-                            scale[i] += r.abs() as f64;
-                        }
-                    }
+                    hcomm::testing::add_held_back(st, &mut lhs, &mut scale);
                 }
                 let mut rhs = vec![0f64; n];
                 for r in 0..world {

@@ -68,25 +68,14 @@ fn hosts_of<'a>(layout: &[&'a str]) -> Vec<(&'a str, Vec<usize>)> {
     out
 }
 
-/// The two-stage compressed all-reduce of `inputs` (one per rank), simulated from the codec.
+/// The two-stage compressed all-reduce of `inputs` (one per rank), simulated from the codec,
+/// in whole blocks per rank.
 fn two_stage_sim<C: Codec>(inputs: &[Vec<f32>], codec: &mut C) -> Vec<f32> {
     let n = inputs[0].len();
-    let mut out = vec![0f32; n];
-    for c in even_segments(n.div_ceil(BLOCK), inputs.len(), 1)
+    let chunks = even_segments(n.div_ceil(BLOCK), inputs.len(), 1)
         .into_iter()
-        .map(|b| (b.start * BLOCK).min(n)..(b.end * BLOCK).min(n))
-    {
-        let mut sum = vec![0f32; c.len()];
-        for x in inputs {
-            let mut enc = vec![0u8; codec.encoded_len(c.len())];
-            codec.encode(&x[c.clone()], &mut enc).unwrap();
-            codec.decode_add(&enc, &mut sum).unwrap();
-        }
-        let mut enc = vec![0u8; codec.encoded_len(c.len())];
-        codec.encode(&sum, &mut enc).unwrap();
-        codec.decode(&enc, &mut out[c]).unwrap();
-    }
-    out
+        .map(|b| (b.start * BLOCK).min(n)..(b.end * BLOCK).min(n));
+    hcomm::testing::two_stage_compressed(inputs, codec, chunks)
 }
 
 /// The hierarchical compressed all-reduce of step `step`'s gradients, simulated: exact host
@@ -233,17 +222,7 @@ fn assert_conserved(
         lhs.iter_mut().zip(step).for_each(|(a, &b)| *a += b as f64);
     }
     for (_, st) in runs {
-        let base = st.slice().map_or(0, |s| s.start);
-        for (i, v) in st.residual().iter().enumerate() {
-            lhs[base + i] += *v as f64;
-            scale[base + i] += v.abs() as f64;
-        }
-        if let Some(o) = st.owner_range() {
-            for (i, v) in o.zip(st.owner_residual()) {
-                lhs[i] += *v as f64;
-                scale[i] += v.abs() as f64;
-            }
-        }
+        hcomm::testing::add_held_back(st, &mut lhs, &mut scale);
     }
     let mut rhs = vec![0f64; n];
     for r in 0..world {

@@ -204,13 +204,13 @@ pub fn exchange_peer_info(
     })
     .expect("serialisable");
     store
-        .set(&format!("{comm_id}/peer/{rank}"), &mine)
+        .set(&peer_key(comm_id, rank), &mine)
         .map_err(store_err)?;
     let all_key = peer_list_key(comm_id);
     // The ranks whose records are not in the store yet (for a timeout's message).
     let missing = |store: &mut StoreClient| -> Vec<usize> {
         (0..size)
-            .filter(|r| !store.check(&format!("{comm_id}/peer/{r}")).unwrap_or(false))
+            .filter(|&r| !store.check(&peer_key(comm_id, r)).unwrap_or(false))
             .collect()
     };
     let never_joined = |missing: Vec<usize>, who: &str| {
@@ -240,9 +240,7 @@ pub fn exchange_peer_info(
                 .map_err(store_err)?;
             // This rank's store goes with its failure: give the ranks waiting for the list a
             // moment to read the reason (each counts itself as it does).
-            let readers = (1..size)
-                .filter(|r| store.check(&format!("{comm_id}/peer/{r}")).unwrap_or(false))
-                .count() as i64;
+            let readers = (size - missing(store).len()).saturating_sub(1) as i64;
             let until = Instant::now() + left().min(Duration::from_secs(2));
             while store.add(&refusal_read_key(comm_id), 0).unwrap_or(readers) < readers
                 && Instant::now() < until
@@ -252,7 +250,7 @@ pub fn exchange_peer_info(
             Err(Error::Config(why))
         };
         for r in 0..size {
-            let v = match store.get(&format!("{comm_id}/peer/{r}"), left()) {
+            let v = match store.get(&peer_key(comm_id, r), left()) {
                 Ok(v) => v,
                 Err(store::StoreError::Timeout(..)) => {
                     return Err(never_joined(missing(store), ""));
@@ -324,6 +322,11 @@ pub fn exchange_peer_info(
         }
         Ok(all)
     }
+}
+
+/// The store key of rank `rank`'s record in communicator `comm_id`.
+fn peer_key(comm_id: &str, rank: usize) -> String {
+    format!("{comm_id}/peer/{rank}")
 }
 
 /// The store key under which rank 0 publishes communicator `comm_id`'s peer list (or why the

@@ -92,13 +92,18 @@ impl Layout {
     }
 }
 
+/// The step sizes `HCOMM_SHM_CHUNK` may set (bytes).
+pub const CHUNK_RANGE: std::ops::RangeInclusive<usize> = (16 << 10)..=(64 << 20);
+
 /// The configured step size: `HCOMM_SHM_CHUNK` (bytes) or [`DEFAULT_CHUNK`], rounded to 4 KiB.
 pub fn chunk_from_env() -> usize {
     let c = std::env::var("HCOMM_SHM_CHUNK")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .unwrap_or(DEFAULT_CHUNK);
-    c.clamp(16 << 10, 64 << 20).div_ceil(4096) * 4096
+    c.clamp(*CHUNK_RANGE.start(), *CHUNK_RANGE.end())
+        .div_ceil(4096)
+        * 4096
 }
 
 fn reached(value: u32, target: u32) -> bool {

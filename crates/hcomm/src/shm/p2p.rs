@@ -37,6 +37,9 @@ pub const DEFAULT_RING_BYTES: usize = 256 << 10;
 /// shrink (to 4 KiB at least) so that the `n (n - 1)` of them stay within it.
 pub const DEFAULT_RINGS_BUDGET: usize = 64 << 20;
 
+/// The ring sizes `HCOMM_SHM_P2P_BYTES` may set (bytes; 0 also, for none).
+pub const RING_BYTES_RANGE: std::ops::RangeInclusive<usize> = (4 << 10)..=(64 << 20);
+
 /// The ring size for `ranks` ranks on a host: `HCOMM_SHM_P2P_BYTES` (0 turns point-to-point
 /// over shared memory off; other values are clamped to 4 KiB ..= 64 MiB and rounded up to
 /// 4 KiB), else [`DEFAULT_RING_BYTES`], made smaller when the host's rings would exceed
@@ -47,7 +50,11 @@ pub fn ring_bytes_for(ranks: usize) -> usize {
         .and_then(|v| v.trim().parse::<usize>().ok());
     match set {
         Some(0) => 0,
-        Some(v) => v.clamp(4 << 10, 64 << 20).div_ceil(4096) * 4096,
+        Some(v) => {
+            v.clamp(*RING_BYTES_RANGE.start(), *RING_BYTES_RANGE.end())
+                .div_ceil(4096)
+                * 4096
+        }
         None => {
             let pairs = (ranks * ranks.saturating_sub(1)).max(1);
             (DEFAULT_RINGS_BUDGET / pairs / 4096 * 4096).clamp(4 << 10, DEFAULT_RING_BYTES)
