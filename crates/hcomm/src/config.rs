@@ -706,6 +706,18 @@ impl BootstrapConfig {
     }
 }
 
+/// The step sizes `HCOMM_SHM_CHUNK` may set (bytes).
+pub const SHM_CHUNK_RANGE: RangeInclusive<usize> = (16 << 10)..=(64 << 20);
+
+/// The ring sizes `HCOMM_SHM_P2P_BYTES` may set (bytes; 0 also, for none).
+pub const SHM_P2P_BYTES_RANGE: RangeInclusive<usize> = (4 << 10)..=(64 << 20);
+
+impl From<ConfigError> for crate::base::error::Error {
+    fn from(e: ConfigError) -> Self {
+        crate::base::error::Error::Config(e.to_string())
+    }
+}
+
 /// Checks the tuning and test variables, which the library reads where it uses them
 /// (`HCOMM_SPIN_US`, `HCOMM_SHM_CHUNK`, `HCOMM_SHM_P2P_BYTES`, `HCOMM_SOCKET_BUF`,
 /// `HCOMM_FAULT_INJECT`), so that a bad value fails the communicator's creation with a
@@ -715,12 +727,11 @@ pub fn check_tuning_variables() -> Result<(), String> {
 }
 
 fn check_tuning(get: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
-    use crate::shm::{p2p::RING_BYTES_RANGE, CHUNK_RANGE};
     // (variable, what it counts, the accepted range, whether 0 is also accepted)
     let numbers: [(&str, &str, RangeInclusive<usize>, bool); 4] = [
         ("HCOMM_SPIN_US", "microseconds", 0..=1_000_000, true),
-        ("HCOMM_SHM_CHUNK", "bytes", CHUNK_RANGE, false),
-        ("HCOMM_SHM_P2P_BYTES", "bytes", RING_BYTES_RANGE, true),
+        ("HCOMM_SHM_CHUNK", "bytes", SHM_CHUNK_RANGE, false),
+        ("HCOMM_SHM_P2P_BYTES", "bytes", SHM_P2P_BYTES_RANGE, true),
         ("HCOMM_SOCKET_BUF", "bytes", (4 << 10)..=(1 << 30), true),
     ];
     for (var, unit, range, zero) in numbers {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 thread_local! {
     /// The turn dispensers whose current turn this thread holds (by address), so that an

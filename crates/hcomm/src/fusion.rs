@@ -30,11 +30,11 @@ use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
+use crate::base::dtype::{DType, Element, ReduceOp};
+use crate::base::error::{Error, Result};
 use crate::comm::Communicator;
 use crate::compress::{CompressionState, Compressor};
-use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::Work;
-use crate::error::{Error, Result};
 use crate::lent::LentBuf;
 
 /// Bucket sizes.

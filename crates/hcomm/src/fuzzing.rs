@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, HandshakeIo, Hello, JobToken, Local, Role, FINISH_LEN, HELLO_LEN};
 use crate::bootstrap::store::{read_reply, read_request, Table};
 use crate::config::RankTable;
-use crate::transport::frame::{Header, HEADER_LEN, MAX_PAYLOAD};
+use crate::wire::frame::{Header, HEADER_LEN, MAX_PAYLOAD};
 
 /// The frame header decoder: a header that decodes re-encodes to the same bytes, carries a
 /// payload only if its kind has one, and never announces more than [`MAX_PAYLOAD`].
@@ -158,7 +158,7 @@ pub fn rank_table(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::frame::Kind;
+    use crate::wire::frame::Kind;
     use proptest::prelude::*;
 
     fn mutate(mut bytes: Vec<u8>, pos: usize, val: u8, cut: usize) -> Vec<u8> {

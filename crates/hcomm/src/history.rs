@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, OpContext};
+use crate::base::error::{Error, OpContext};
 
 /// How many finished operations a communicator remembers.
 pub const HISTORY_LEN: usize = 16;

@@ -15,29 +15,29 @@
 #![warn(missing_docs)]
 
 pub mod algo;
-mod asynchronous;
 pub mod auth;
+mod base;
 pub mod bootstrap;
-mod collectives;
 pub mod comm;
 pub mod compress;
 pub mod config;
-pub mod dtype;
 mod engine;
-pub mod error;
 pub mod fusion;
 pub mod fuzzing;
 pub mod history;
 mod lent;
-pub mod reduce;
 pub mod shm;
 pub mod sparse;
 pub mod testing;
-pub mod traffic;
 pub mod transport;
-mod window;
+pub mod wire;
+
+pub use base::{dtype, error, reduce};
+pub use comm::traffic;
 
 pub use algo::Algo;
+pub use comm::traffic::OpTraffic;
+pub use comm::window::{SharedMemory, Window};
 pub use comm::{Collective, Communicator, Connection};
 pub use compress::{CompressionState, Compressor, Density};
 pub use config::BootstrapConfig;
@@ -45,5 +45,3 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use engine::Work;
 pub use error::{Error, OpContext, Result};
 pub use sparse::SparseRows;
-pub use traffic::OpTraffic;
-pub use window::{SharedMemory, Window};

@@ -17,11 +17,11 @@
 
 use std::collections::HashMap;
 
+use crate::base::dtype::{DType, Element, ReduceOp};
+use crate::base::error::{Error, Result};
+use crate::base::reduce::{finalize_mean, reduce_into, Order};
+use crate::comm::traffic::TrafficScope;
 use crate::comm::Communicator;
-use crate::dtype::{DType, Element, ReduceOp};
-use crate::error::{Error, Result};
-use crate::reduce::{finalize_mean, reduce_into, Order};
-use crate::traffic::TrafficScope;
 
 const OP: &str = "sparse_all_reduce";
 
@@ -160,7 +160,7 @@ impl Communicator {
         let row_bytes = local?;
         if let Some(r) = headers.chunks(4).position(|h| h[3] == 0) {
             return Err(Error::Remote {
-                ctx: crate::error::OpContext { op: OP, seq: 0 },
+                ctx: crate::base::error::OpContext { op: OP, seq: 0 },
                 peer: r,
                 culprit: Some(r),
                 msg: format!(
@@ -382,7 +382,7 @@ fn all_zero_bits(bytes: &[u8]) -> bool {
 /// Ranks that disagree, as every rank sees it in the exchanged headers (so all fail together).
 fn disagreement(op: &'static str, peer: usize, msg: String) -> Error {
     Error::Mismatch {
-        ctx: crate::error::OpContext { op, seq: 0 },
+        ctx: crate::base::error::OpContext { op, seq: 0 },
         peer,
         msg,
     }

@@ -5,10 +5,11 @@
 //! Inputs are small integers (also for float types), so every summation order gives exactly the
 //! same result and the comparison with the reference can be bitwise.
 
-use crate::comm::{Collective, Communicator};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::Result;
+use crate::comm::Communicator;
 use crate::config::{BootstrapConfig, LaunchSource, TransportKind};
-use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
+use crate::wire::collective::Collective;
 use crate::Algo;
 use half::{bf16, f16};
 use std::time::Duration;

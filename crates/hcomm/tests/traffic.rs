@@ -4,7 +4,7 @@
 
 use hcomm::config::TransportKind;
 use hcomm::testing::{expect_all, run_threads_on_hosts, run_threads_with};
-use hcomm::transport::frame::HEADER_LEN;
+use hcomm::wire::frame::HEADER_LEN;
 use hcomm::{Algo, Collective, Communicator, OpTraffic, ReduceOp};
 use std::time::Duration;
 

@@ -2,9 +2,9 @@
 //! barrier.
 
 use super::Run;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
-use crate::reduce::{reduce_into, Order};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::Result;
+use crate::base::reduce::{reduce_into, Order};
 use crate::transport::tcp::Sink;
 use std::ops::Range;
 

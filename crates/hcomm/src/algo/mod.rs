@@ -12,119 +12,13 @@ pub mod basic;
 pub mod ring;
 pub mod tree;
 
-use crate::error::{OpContext, Result};
-use crate::transport::frame::Header;
+pub use crate::base::segments::{count_segments, even_segments, split_two};
+pub use crate::wire::collective::Algo;
+
+use crate::base::error::{OpContext, Result};
 use crate::transport::tcp::{RecvOp, SendOp, Sink, TcpLinks};
-use std::fmt;
-use std::ops::Range;
-use std::str::FromStr;
+use crate::wire::frame::Header;
 use std::time::Instant;
-
-/// An algorithm a collective can run with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algo {
-    /// Let the selector choose by size, world size and topology.
-    Auto,
-    /// Ring: reduce-scatter + all-gather, bandwidth-optimal for large messages.
-    Ring,
-    /// Recursive doubling: log2(n) exchanges of the whole vector; latency-optimal.
-    RecursiveDoubling,
-    /// Binomial tree (broadcast, reduce).
-    Tree,
-    /// Pipelined chain in chunks (broadcast, reduce): bandwidth-optimal for large messages.
-    Chain,
-    /// Root talks to every rank directly (gather, scatter).
-    Linear,
-    /// Every pair exchanges directly, all at once (all-to-all).
-    Pairwise,
-    /// Dissemination (barrier).
-    Dissemination,
-    /// Shared memory: every rank works directly on a segment mapped by all ranks of the host.
-    Shm,
-    /// Several hosts with several ranks each: reduce-scatter within each host (shared memory),
-    /// all-reduce of each slice across hosts (TCP, all slices in parallel), all-gather within
-    /// each host. Only `1/L` of the data crosses the network per rank (L ranks per host).
-    Hierarchical,
-}
-
-impl Algo {
-    /// Code carried in collective fingerprints.
-    pub fn code(self) -> u8 {
-        match self {
-            Algo::Auto => 0,
-            Algo::Ring => 1,
-            Algo::RecursiveDoubling => 2,
-            Algo::Tree => 3,
-            Algo::Chain => 4,
-            Algo::Linear => 5,
-            Algo::Pairwise => 6,
-            Algo::Dissemination => 7,
-            Algo::Shm => 8,
-            Algo::Hierarchical => 9,
-        }
-    }
-
-    /// Decode a fingerprint code.
-    pub fn from_code(c: u8) -> Option<Algo> {
-        [
-            Algo::Auto,
-            Algo::Ring,
-            Algo::RecursiveDoubling,
-            Algo::Tree,
-            Algo::Chain,
-            Algo::Linear,
-            Algo::Pairwise,
-            Algo::Dissemination,
-        ]
-        .into_iter()
-        .find(|a| a.code() == c)
-    }
-
-    /// Name used by `HCOMM_ALGO` and in logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Auto => "auto",
-            Algo::Ring => "ring",
-            Algo::RecursiveDoubling => "rd",
-            Algo::Tree => "tree",
-            Algo::Chain => "chain",
-            Algo::Linear => "linear",
-            Algo::Pairwise => "pairwise",
-            Algo::Dissemination => "dissemination",
-            Algo::Shm => "shm",
-            Algo::Hierarchical => "hierarchical",
-        }
-    }
-}
-
-impl fmt::Display for Algo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Algo {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Ok(match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Algo::Auto,
-            "ring" => Algo::Ring,
-            "rd" | "recursive_doubling" | "recursive-doubling" => Algo::RecursiveDoubling,
-            "tree" | "binomial" => Algo::Tree,
-            "chain" | "pipeline" => Algo::Chain,
-            "linear" | "direct" => Algo::Linear,
-            "pairwise" => Algo::Pairwise,
-            "dissemination" => Algo::Dissemination,
-            "shm" | "shared_memory" => Algo::Shm,
-            "hier" | "hierarchical" => Algo::Hierarchical,
-            other => {
-                return Err(format!(
-                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm, hierarchical)"
-                ))
-            }
-        })
-    }
-}
 
 /// One collective's execution context: the links, who we are, the fingerprint every frame
 /// carries, and the deadline.
@@ -156,22 +50,9 @@ impl Run<'_> {
     ) -> (
         &mut crate::shm::ShmGroup,
         crate::shm::WaitCtx<'_>,
-        crate::shm::Fingerprint,
+        crate::wire::collective::ShmFingerprint,
     ) {
-        let detail = [self.fp.count, self.fp.algo as u64, self.fp_extra]
-            .iter()
-            .fold(0xcbf29ce484222325u64, |h, v| {
-                (h ^ v).wrapping_mul(0x100000001b3).rotate_left(17)
-            });
-        let fp = crate::shm::Fingerprint {
-            detail,
-            seq: self.fp.seq,
-            word: (self.fp.coll as u64)
-                | (self.fp.dtype as u64) << 8
-                | (self.fp.redop as u64) << 16
-                | (self.fp.root as u64 & 0xffff) << 24
-                | (self.fp.count & 0xff_ffff) << 40,
-        };
+        let fp = crate::wire::collective::ShmFingerprint::of(&self.fp, self.fp_extra);
         let w = crate::shm::WaitCtx {
             ctx: &self.ctx,
             deadline: self.deadline,
@@ -224,52 +105,5 @@ impl Run<'_> {
             .collect();
         self.links
             .exchange(&self.ctx, &mut s, &mut r, self.deadline)
-    }
-}
-
-/// Split `total` elements into `n` contiguous segments (the first `total % n` one longer),
-/// as byte ranges.
-pub fn even_segments(total: usize, n: usize, esize: usize) -> Vec<Range<usize>> {
-    let base = total / n;
-    let extra = total % n;
-    let mut off = 0;
-    (0..n)
-        .map(|i| {
-            let len = (base + usize::from(i < extra)) * esize;
-            let r = off..off + len;
-            off += len;
-            r
-        })
-        .collect()
-}
-
-/// Segments from explicit per-rank element counts, as byte ranges.
-pub fn count_segments(counts: &[usize], esize: usize) -> Vec<Range<usize>> {
-    let mut off = 0;
-    counts
-        .iter()
-        .map(|&c| {
-            let r = off..off + c * esize;
-            off += c * esize;
-            r
-        })
-        .collect()
-}
-
-/// Borrow two disjoint ranges of `buf`, one shared and one mutable.
-pub fn split_two(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
-    debug_assert!(a.end <= b.start || b.end <= a.start || a.is_empty() || b.is_empty());
-    if a.is_empty() {
-        return (&[], &mut buf[b]);
-    }
-    if b.is_empty() {
-        return (&buf[a], &mut []);
-    }
-    if a.start < b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&lo[a], &mut hi[..b.end - b.start])
-    } else {
-        let (lo, hi) = buf.split_at_mut(a.start);
-        (&hi[..a.end - a.start], &mut lo[b])
     }
 }

@@ -4,10 +4,11 @@
 //! bandwidth optimum; each step's receive is reduced through a fixed-size staging buffer while
 //! the next bytes arrive, so reduction overlaps transfer.
 
-use super::{split_two, Run};
-use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
-use crate::reduce::Order;
+use super::Run;
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::Result;
+use crate::base::reduce::Order;
+use crate::base::segments::split_two;
 use crate::transport::tcp::Sink;
 use std::ops::Range;
 

@@ -3,9 +3,9 @@
 //! Ranks are renumbered into virtual ranks `v = (rank - root) mod n` so the root is 0.
 
 use super::Run;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
-use crate::reduce::Order;
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::Result;
+use crate::base::reduce::Order;
 use crate::transport::tcp::Sink;
 
 /// Chunk size of the pipelined chain.
@@ -63,7 +63,8 @@ pub fn broadcast_chain(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()>
         let mut recvs = Vec::new();
         match (send_idx, recv_idx) {
             (Some(s), Some(r)) => {
-                let (sb, rb) = super::split_two(buf, chunks[s].clone(), chunks[r].clone());
+                let (sb, rb) =
+                    crate::base::segments::split_two(buf, chunks[s].clone(), chunks[r].clone());
                 sends.push((child.unwrap(), s as u32, sb));
                 recvs.push((parent.unwrap(), r as u32, Sink::Buf(rb)));
                 run.exchange(sends, recvs)?;

@@ -6,7 +6,7 @@ pub mod store;
 
 pub use port::free_master_port;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::time::{Duration, Instant};
@@ -216,7 +216,7 @@ pub fn exchange_peer_info(
     let never_joined = |missing: Vec<usize>, who: &str| {
         let list: Vec<String> = missing.iter().map(|m| m.to_string()).collect();
         Error::Timeout {
-            ctx: crate::error::OpContext {
+            ctx: crate::base::error::OpContext {
                 op: "bootstrap",
                 seq: 0,
             },
@@ -284,7 +284,7 @@ pub fn exchange_peer_info(
                 missing.retain(|&r| r != 0);
                 return Err(if missing.is_empty() {
                     Error::Timeout {
-                        ctx: crate::error::OpContext {
+                        ctx: crate::base::error::OpContext {
                             op: "bootstrap",
                             seq: 0,
                         },

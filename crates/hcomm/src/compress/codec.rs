@@ -12,7 +12,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::rng::SplitMix64;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 fn bad(msg: String) -> Error {
     Error::invalid("compress", 0, msg)

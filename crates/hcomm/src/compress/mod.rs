@@ -70,13 +70,14 @@ use std::sync::Arc;
 pub use codec::{top_k_indices, top_k_take, Codec, Half, Int8Block, RandomK, SignBlock, TopK};
 pub use rng::{mix_seed, random_k_indices, SplitMix64};
 
-use crate::algo::even_segments;
 use crate::algo::Algo;
-use crate::comm::{Collective, Communicator};
-use crate::dtype::{DType, ReduceOp};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::{Error, Result};
+use crate::base::segments::even_segments;
+use crate::comm::traffic::TrafficScope;
+use crate::comm::Communicator;
 use crate::engine::Work;
-use crate::error::{Error, Result};
-use crate::traffic::TrafficScope;
+use crate::wire::collective::Collective;
 
 const OP: &str = "all_reduce_compressed";
 

@@ -18,8 +18,8 @@
 //! staging copies on this machine at every size (2 ranks, 4 MiB: 205 µs against 156 µs;
 //! 4 ranks: 2.1 ms against 1.0 ms) and was dropped.
 
-use super::{Fingerprint, ShmGroup, WaitCtx, SMALL};
-use crate::error::{Error, Result};
+use super::{ShmFingerprint, ShmGroup, WaitCtx, SMALL};
+use crate::base::error::{Error, Result};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 
@@ -37,7 +37,7 @@ impl ShmGroup {
         send: &[Range<usize>],
         out: &mut [u8],
         recv: &[Range<usize>],
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let n = self.size();

@@ -16,11 +16,12 @@ pub mod segment;
 
 pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
 
-use crate::algo::even_segments;
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, OpContext, Result};
-use crate::reduce::{finalize_mean, reduce_into, Order};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::{Error, OpContext, Result};
+use crate::base::reduce::{finalize_mean, reduce_into, Order};
+use crate::base::segments::even_segments;
 use crate::transport::wait::WaitPolicy;
+pub use crate::wire::collective::ShmFingerprint;
 use segment::Segment;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,8 +93,7 @@ impl Layout {
     }
 }
 
-/// The step sizes `HCOMM_SHM_CHUNK` may set (bytes).
-pub const CHUNK_RANGE: std::ops::RangeInclusive<usize> = (16 << 10)..=(64 << 20);
+pub use crate::config::SHM_CHUNK_RANGE as CHUNK_RANGE;
 
 /// The configured step size: `HCOMM_SHM_CHUNK` (bytes) or [`DEFAULT_CHUNK`], rounded to 4 KiB.
 pub fn chunk_from_env() -> usize {
@@ -108,17 +108,6 @@ pub fn chunk_from_env() -> usize {
 
 fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
-}
-
-/// Fingerprint of a collective call, compared between ranks at its first barrier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fingerprint {
-    /// Communicator sequence number.
-    pub seq: u64,
-    /// Collective, dtype, op, root and count (low 24 bits) packed, for messages.
-    pub word: u64,
-    /// Hash of everything that must agree: the full count, per-rank counts, algorithm.
-    pub detail: u64,
 }
 
 /// Inode of this process's pid namespace (0 if unknown).
@@ -309,7 +298,7 @@ impl ShmGroup {
             return None;
         }
         let reporter = ((word >> 40) & 0x7f_ffff) as usize;
-        let reason = crate::error::AbortReason::from_u8((word >> 32) as u8);
+        let reason = crate::base::error::AbortReason::from_u8((word >> 32) as u8);
         let culprit = match word & 0xffff_ffff {
             0 => None,
             c if c as usize - 1 == self.rank => Some(waiting_for),
@@ -405,7 +394,7 @@ impl ShmGroup {
     /// Publish this call's fingerprint (before its first arrival) in slot `k % 2`, `k` being
     /// the number of collectives this group ran: a peer is never more than one collective
     /// ahead, so it never rewrites the slot a rank is checking.
-    fn publish(&mut self, fp: Fingerprint) -> usize {
+    fn publish(&mut self, fp: ShmFingerprint) -> usize {
         let slot =
             self.layout.ctrl(self.rank) + FP_SLOTS + (self.collectives % 2) as usize * FP_SLOT_LEN;
         self.collectives += 1;
@@ -421,7 +410,7 @@ impl ShmGroup {
 
     /// After the first barrier of a call: every peer published this very call (same sequence
     /// number, else the ranks are out of step) with the same fingerprint.
-    fn verify(&self, fp: Fingerprint, slot: usize, w: &WaitCtx) -> Result<()> {
+    fn verify(&self, fp: ShmFingerprint, slot: usize, w: &WaitCtx) -> Result<()> {
         for p in 0..self.size() {
             if p == self.rank {
                 continue;
@@ -434,7 +423,7 @@ impl ShmGroup {
                 let theirs = if seq != fp.seq {
                     format!("its collective number {seq}")
                 } else {
-                    crate::comm::describe_shm_word(word)
+                    crate::wire::collective::describe_shm_word(word)
                 };
                 let extra = if seq == fp.seq && word == fp.word {
                     " (per-rank counts or algorithm differ)"
@@ -446,7 +435,7 @@ impl ShmGroup {
                     peer: p,
                     msg: format!(
                         "rank {p} called {theirs} while this rank called {} at seq {}{extra}",
-                        crate::comm::describe_shm_word(fp.word),
+                        crate::wire::collective::describe_shm_word(fp.word),
                         fp.seq
                     ),
                 });
@@ -456,14 +445,14 @@ impl ShmGroup {
     }
 
     /// The first barrier of a call, with the fingerprint check.
-    fn first_barrier(&mut self, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
+    fn first_barrier(&mut self, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
         let slot = self.publish(fp);
         self.arrive_and_wait_all(w)?;
         self.verify(fp, slot, w)
     }
 
     /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
-    fn phase_a(&mut self, first: &mut bool, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
+    fn phase_a(&mut self, first: &mut bool, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
         if std::mem::take(first) {
             self.first_barrier(fp, w)
         } else {
@@ -490,7 +479,7 @@ impl ShmGroup {
     }
 
     /// Barrier.
-    pub fn barrier(&mut self, fp: Fingerprint, w: &WaitCtx) -> Result<()> {
+    pub fn barrier(&mut self, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
         self.first_barrier(fp, w)
     }
 
@@ -504,7 +493,7 @@ impl ShmGroup {
         dtype: DType,
         op: ReduceOp,
         root: Option<usize>,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let n = self.size();
@@ -605,7 +594,7 @@ impl ShmGroup {
         &mut self,
         buf: &mut [u8],
         root: usize,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let me = self.rank;
@@ -658,7 +647,7 @@ impl ShmGroup {
         out: &mut [u8],
         blocks: &[usize],
         root: Option<usize>,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let me = self.rank;
@@ -742,7 +731,7 @@ impl ShmGroup {
         blocks: &[usize],
         dtype: DType,
         op: ReduceOp,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let n = self.size();
@@ -835,7 +824,7 @@ impl ShmGroup {
         out: &mut [u8],
         recv: &[Range<usize>],
         root: Option<usize>,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         // The same on every rank: the caller guarantees all block lengths are known to all.
@@ -854,7 +843,7 @@ impl ShmGroup {
         recv: &[Range<usize>],
         root: Option<usize>,
         longest: usize,
-        fp: Fingerprint,
+        fp: ShmFingerprint,
         w: &WaitCtx,
     ) -> Result<()> {
         let n = self.size();

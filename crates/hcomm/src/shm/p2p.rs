@@ -37,8 +37,7 @@ pub const DEFAULT_RING_BYTES: usize = 256 << 10;
 /// shrink (to 4 KiB at least) so that the `n (n - 1)` of them stay within it.
 pub const DEFAULT_RINGS_BUDGET: usize = 64 << 20;
 
-/// The ring sizes `HCOMM_SHM_P2P_BYTES` may set (bytes; 0 also, for none).
-pub const RING_BYTES_RANGE: std::ops::RangeInclusive<usize> = (4 << 10)..=(64 << 20);
+pub use crate::config::SHM_P2P_BYTES_RANGE as RING_BYTES_RANGE;
 
 /// The ring size for `ranks` ranks on a host: `HCOMM_SHM_P2P_BYTES` (0 turns point-to-point
 /// over shared memory off; other values are clamped to 4 KiB ..= 64 MiB and rounded up to

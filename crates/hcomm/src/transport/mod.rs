@@ -1,5 +1,4 @@
 //! Transports: how bytes move between ranks.
 
-pub mod frame;
 pub mod tcp;
 pub mod wait;

@@ -39,12 +39,12 @@ use crate::auth::{
     self, ConnectionStats, Counters, HandshakeError, JobToken, Local, PendingSlot, Role,
     PRE_AUTH_DEADLINE,
 };
-use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, OpContext, Result};
-use crate::reduce::{reduce_into, Order};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::{Error, OpContext, Result};
+use crate::base::reduce::{reduce_into, Order};
 use crate::shm::p2p::{P2pShm, ShmPipe};
-use crate::transport::frame::{Header, Kind, HEADER_LEN};
 use crate::transport::wait::{Spinner, WaitHistory, WaitPolicy};
+use crate::wire::frame::{Header, Kind, HEADER_LEN};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::VecDeque;
@@ -2118,7 +2118,7 @@ impl TcpLinks {
 }
 
 fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[RecvOp]) -> Error {
-    let describe = crate::comm::describe_frame;
+    let describe = crate::wire::collective::describe_frame;
     let mine = recvs
         .iter()
         .find(|r| r.peer == peer && !r.done())
@@ -2211,9 +2211,9 @@ fn fill(inb: &mut Inbound, ctx: &OpContext, peer: usize, mode: Mode) -> Result<b
 }
 
 /// The reason and the blamed rank an abort notice carries (see [`Kind::Abort`]).
-fn abort_notice(h: &Header) -> (crate::error::AbortReason, Option<usize>) {
+fn abort_notice(h: &Header) -> (crate::base::error::AbortReason, Option<usize>) {
     (
-        crate::error::AbortReason::from_u8(h.tag as u8),
+        crate::base::error::AbortReason::from_u8(h.tag as u8),
         (h.root != u32::MAX).then_some(h.root as usize),
     )
 }

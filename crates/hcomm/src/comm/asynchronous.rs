@@ -13,10 +13,10 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
+use crate::base::dtype::{Element, ReduceOp};
+use crate::base::error::{Error, Result};
 use crate::comm::Communicator;
-use crate::dtype::{Element, ReduceOp};
 use crate::engine::{panic_message, Slot, Work};
-use crate::error::{Error, Result};
 
 impl Communicator {
     /// Run `f` on this communicator's progress engine, after every operation issued before it

@@ -230,12 +230,6 @@ impl Error {
     }
 }
 
-impl From<crate::config::ConfigError> for Error {
-    fn from(e: crate::config::ConfigError) -> Self {
-        Error::Config(e.to_string())
-    }
-}
-
 /// Why a rank gave up, as carried to its peers (one byte on the wire).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]

@@ -15,8 +15,8 @@
 //! rounded up to 64: magic, a random id, the size) is what `get_shared` checks, so a stale
 //! record can never map the wrong memory.
 
+use crate::base::error::{Error, Result};
 use crate::comm::Communicator;
-use crate::error::{Error, Result};
 use crate::shm::segment::Segment;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -178,7 +178,7 @@ impl Window {
 fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
     let seg = Segment::anonymous(segment_len(bytes))
         .map_err(|e| Error::io(crate::OpContext { op, seq: 0 }, None, e))?;
-    let id = crate::comm::random_u64();
+    let id = crate::base::ids::random_u64();
     let t = trailer_at(bytes);
     seg.atomic_u64(t + 8).store(id, Ordering::Relaxed);
     seg.atomic_u64(t + 16)
@@ -367,7 +367,7 @@ impl Communicator {
                 ),
             ));
         }
-        let segs = crate::algo::even_segments(bytes / dtype.size(), n, dtype.size());
+        let segs = crate::base::segments::even_segments(bytes / dtype.size(), n, dtype.size());
         let mine = segs[self.rank()].clone();
         // Entry: every rank has written its input.
         self.barrier()?;
@@ -387,11 +387,17 @@ impl Communicator {
                 if p == 0 {
                     acc.copy_from_slice(src);
                 } else {
-                    crate::reduce::reduce_into(dtype, op, acc, src, crate::reduce::Order::AccFirst);
+                    crate::base::reduce::reduce_into(
+                        dtype,
+                        op,
+                        acc,
+                        src,
+                        crate::base::reduce::Order::AccFirst,
+                    );
                 }
             }
             if op == crate::ReduceOp::Mean {
-                crate::reduce::finalize_mean(dtype, acc, n);
+                crate::base::reduce::finalize_mean(dtype, acc, n);
             }
             for part in &win.parts {
                 // SAFETY: as above: this rank's slice, between the barriers.

@@ -4,7 +4,7 @@
 //! order, so the same schedule always performs the same floating-point operations in the same
 //! order: results are bitwise reproducible run to run and identical on every rank.
 
-use crate::dtype::{DType, ReduceOp};
+use crate::base::dtype::{DType, ReduceOp};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 

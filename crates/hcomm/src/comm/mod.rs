@@ -1,159 +1,33 @@
 //! The communicator: a group of ranks, their links, and the collectives and point-to-point
 //! operations over them.
 
-use crate::algo::{Algo, Run};
+mod asynchronous;
+mod collectives;
+pub mod traffic;
+pub(crate) mod window;
+
+use crate::algo::Run;
 use crate::auth::{ConnectionStats, JobToken};
+use crate::base::dtype::{DType, Element, ReduceOp};
+use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
 use crate::config::{BootstrapConfig, TransportKind};
-use crate::dtype::{DType, Element, ReduceOp};
-use crate::error::{Error, OpContext, Result};
-use crate::transport::frame::{Header, Kind};
 use crate::transport::tcp::{RecvOp, SendOp, TcpLinks, EAGER_MAX};
 use crate::transport::wait::WaitPolicy;
+use crate::wire::collective::Algo;
+pub use crate::wire::collective::Collective;
+use crate::wire::frame::{Header, Kind};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::comm::traffic::{current_label, Counters, OpTraffic, TrafficTable};
 use crate::engine::{Engine, TurnGuard};
 use crate::history::{History, OpRecord};
-use crate::traffic::{current_label, Counters, OpTraffic, TrafficTable};
 use std::time::{Duration, Instant};
-
-/// The collectives, as named in fingerprints, logs and `HCOMM_ALGO`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Collective {
-    /// All-reduce.
-    AllReduce = 1,
-    /// All-gather (also the v-variant).
-    AllGather = 2,
-    /// Reduce-scatter (also the v-variant).
-    ReduceScatter = 3,
-    /// Broadcast.
-    Broadcast = 4,
-    /// Reduce.
-    Reduce = 5,
-    /// Gather.
-    Gather = 6,
-    /// Scatter.
-    Scatter = 7,
-    /// All-to-all (also the v-variant).
-    AllToAll = 8,
-    /// Barrier.
-    Barrier = 9,
-}
-
-impl Collective {
-    /// Every collective.
-    pub const ALL: [Collective; 9] = [
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::Broadcast,
-        Collective::Reduce,
-        Collective::Gather,
-        Collective::Scatter,
-        Collective::AllToAll,
-        Collective::Barrier,
-    ];
-
-    /// snake_case name (`all_reduce`, …).
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::AllGather => "all_gather",
-            Collective::ReduceScatter => "reduce_scatter",
-            Collective::Broadcast => "broadcast",
-            Collective::Reduce => "reduce",
-            Collective::Gather => "gather",
-            Collective::Scatter => "scatter",
-            Collective::AllToAll => "all_to_all",
-            Collective::Barrier => "barrier",
-        }
-    }
-
-    fn from_code(c: u8) -> Option<Collective> {
-        Collective::ALL.into_iter().find(|x| *x as u8 == c)
-    }
-
-    /// Parse `allreduce`, `all_reduce`, `AllReduce`, …
-    pub fn parse(s: &str) -> Option<Collective> {
-        let k: String = s
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric())
-            .collect::<String>()
-            .to_ascii_lowercase();
-        Collective::ALL.into_iter().find(|c| {
-            c.name().replace('_', "") == k || (k == "bcast" && *c == Collective::Broadcast)
-        })
-    }
-
-    /// The algorithms this collective can run with (first = default family).
-    pub fn algorithms(self) -> &'static [Algo] {
-        match self {
-            Collective::AllReduce => &[
-                Algo::Ring,
-                Algo::RecursiveDoubling,
-                Algo::Shm,
-                Algo::Hierarchical,
-            ],
-            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Shm],
-            Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm],
-            Collective::Gather => &[Algo::Linear, Algo::Shm],
-            Collective::Scatter => &[Algo::Linear, Algo::Shm],
-            Collective::AllToAll => &[Algo::Pairwise, Algo::Shm],
-            Collective::Barrier => &[Algo::Dissemination, Algo::Shm],
-        }
-    }
-}
-
-/// Human-readable description of a frame's call, for mismatch errors.
-pub(crate) fn describe_frame(h: &Header) -> String {
-    match h.kind {
-        Kind::Collective => {
-            let name = Collective::from_code(h.coll)
-                .map(|c| c.name())
-                .unwrap_or("unknown collective");
-            let mut s = format!("{name}(count={}", h.count);
-            if let Some(d) = DType::from_code(h.dtype) {
-                s += &format!(", dtype={d}");
-            }
-            if let Some(o) = ReduceOp::from_code(h.redop) {
-                s += &format!(", op={o}");
-            }
-            if h.root != u32::MAX {
-                s += &format!(", root={}", h.root);
-            }
-            if let Some(a) = Algo::from_code(h.algo).filter(|a| *a != Algo::Auto) {
-                s += &format!(", algo={a}");
-            }
-            s + &format!(") at seq {}", h.seq)
-        }
-        Kind::P2p => format!("send(tag={}, {} bytes)", h.tag, h.count),
-        k => format!("{k:?}(tag={})", h.tag),
-    }
-}
-
-/// Describe a shared-memory fingerprint word (see `Run::shm_parts`).
-pub(crate) fn describe_shm_word(word: u64) -> String {
-    let root = ((word >> 24) & 0xffff) as u32;
-    describe_frame(&Header {
-        kind: Kind::Collective,
-        dtype: (word >> 8) as u8,
-        coll: word as u8,
-        redop: (word >> 16) as u8,
-        algo: Algo::Shm.code(),
-        root: if root == 0xffff { u32::MAX } else { root },
-        tag: 0,
-        seq: 0,
-        count: word >> 40,
-        len: 0,
-    })
-    .replace(" at seq 0", "")
-}
 
 /// Size thresholds of the algorithm selector (bytes per rank).
 #[derive(Clone, Copy, Debug)]
@@ -365,22 +239,6 @@ impl std::fmt::Debug for Communicator {
             .field("shared_memory", &(self.shm_bytes > 0))
             .finish_non_exhaustive()
     }
-}
-
-/// A random 64-bit number (time, pid and a counter through a hash; for ids, not for secrets).
-pub(crate) fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
 }
 
 fn hash64(s: &str) -> u64 {
@@ -956,7 +814,7 @@ impl Communicator {
 
     /// Bytes this rank moved, per kind of operation, since the communicator was made or
     /// [`reset_traffic`](Self::reset_traffic) was last called (rows in the order operations
-    /// first ran). See [`crate::traffic`] for what counts: TCP bytes written to / read from
+    /// first ran). See [`crate::comm::traffic`] for what counts: TCP bytes written to / read from
     /// sockets (headers included), shared-memory bytes copied into / out of the segment.
     ///
     /// An operation built from others is one row: a compressed all-reduce counts its
@@ -1205,28 +1063,6 @@ impl Communicator {
         algo
     }
 
-    fn fingerprint(
-        seq: u64,
-        coll: Collective,
-        dtype: Option<DType>,
-        op: Option<ReduceOp>,
-        root: Option<usize>,
-        count: usize,
-    ) -> Header {
-        Header {
-            kind: Kind::Collective,
-            dtype: dtype.map_or(0, |d| d as u8),
-            coll: coll as u8,
-            redop: op.map_or(0, |o| o as u8),
-            algo: 0,
-            root: root.map_or(u32::MAX, |r| r as u32),
-            tag: 0,
-            seq,
-            count: count as u64,
-            len: 0,
-        }
-    }
-
     /// Run `body` as collective `coll`: lock, validate nothing else, build the run context,
     /// poison on failure.
     #[allow(clippy::too_many_arguments)]
@@ -1247,7 +1083,7 @@ impl Communicator {
         let algo = self.choose(&mut inner, coll, bytes);
         let fp = Header {
             algo: algo.code(),
-            ..Self::fingerprint(ctx.seq, coll, dtype, op, root, count)
+            ..crate::wire::collective::fingerprint(ctx.seq, coll, dtype, op, root, count)
         };
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);

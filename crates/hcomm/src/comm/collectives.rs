@@ -4,17 +4,17 @@
 //! Conventions (NCCL's): counts are in elements; out-of-place forms never modify the input;
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
-use crate::algo::{basic, count_segments, even_segments, ring, tree, Algo};
-use crate::comm::{Collective, Communicator};
-use crate::dtype::{DType, Element, ReduceOp};
-use crate::error::{Error, Result};
-use crate::reduce::finalize_mean;
+use crate::algo::{basic, ring, tree};
+use crate::base::dtype::{DType, Element, ReduceOp};
+use crate::base::error::{Error, Result};
+use crate::base::reduce::finalize_mean;
+use crate::base::segments::{count_segments, even_segments};
+use crate::comm::Communicator;
+use crate::wire::collective::{Algo, Collective};
 
 /// Hash of per-rank block sizes: part of the shared-memory fingerprint of the v-variants.
 fn counts_hash(blocks: &[usize]) -> u64 {
-    blocks.iter().fold(0x9e3779b97f4a7c15u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3).rotate_left(23)
-    })
+    crate::base::ids::fold_hash(blocks.iter().map(|&b| b as u64))
 }
 
 fn bytes<T: Element>(s: &[T]) -> &[u8] {
@@ -170,7 +170,7 @@ impl Communicator {
         let h = self.hierarchy()?;
         // The sub-communicators' bytes count as this operation's (declared before the lock,
         // so it ends after it).
-        let _traffic = crate::traffic::TrafficScope::enter(self, op_name);
+        let _traffic = crate::comm::traffic::TrafficScope::enter(self, op_name);
         // The parent's lock: abort and poisoning apply, calls stay serialised, a failure poisons.
         // A failure, here or in either sub-communicator, is told to the peers of both: a rank
         // waits for this one in a sub-communicator, whichever failed.
