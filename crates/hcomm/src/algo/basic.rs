@@ -5,7 +5,7 @@ use super::Run;
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::{reduce_into, Order};
-use crate::transport::tcp::Sink;
+use crate::transport::ops::Sink;
 use std::ops::Range;
 
 /// Recursive-doubling all-reduce in place. Any world size: with `p2` the largest power of two

@@ -1,5 +1,8 @@
 //! Collective algorithms: schedules of sends, receives and reductions over the links of one
-//! communicator. Algorithms never name a socket: they run steps through [`Run`].
+//! communicator. Algorithms never name a transport: they run steps through [`Run`], which
+//! holds the communicator's links as a [`Links`] (the contract of [`crate::transport`]), so
+//! the same schedule runs over TCP, shared-memory pipes or the in-memory fabric of the
+//! schedule tests. The choice among them by size and topology is [`select`]'s.
 //!
 //! Reduction order (what makes results deterministic and identical on every rank):
 //! * ring: segment `s` is accumulated along the ring starting at rank `s + 1`
@@ -10,13 +13,18 @@
 
 pub mod basic;
 pub mod ring;
+pub mod select;
 pub mod tree;
+
+#[cfg(test)]
+mod schedule_tests;
 
 pub use crate::base::segments::{count_segments, even_segments, split_two};
 pub use crate::wire::collective::Algo;
 
 use crate::base::error::{OpContext, Result};
-use crate::transport::tcp::{RecvOp, SendOp, Sink, TcpLinks};
+use crate::transport::ops::{RecvOp, SendOp, Sink};
+use crate::transport::Links;
 use crate::wire::frame::Header;
 use std::time::Instant;
 
@@ -24,7 +32,7 @@ use std::time::Instant;
 /// carries, and the deadline.
 pub struct Run<'a> {
     /// Links of the communicator.
-    pub links: &'a mut TcpLinks,
+    pub links: &'a mut dyn Links,
     /// This rank.
     pub rank: usize,
     /// World size.
@@ -37,29 +45,6 @@ pub struct Run<'a> {
     pub deadline: Instant,
     /// The operation's timeout (for messages).
     pub timeout: std::time::Duration,
-    /// The shared-memory group, when every rank shares this host.
-    pub shm: Option<&'a mut crate::shm::ShmGroup>,
-    /// Extra fingerprint (e.g. a hash of per-rank counts) that must agree on every rank.
-    pub fp_extra: u64,
-}
-
-impl Run<'_> {
-    /// The shared-memory group and the waiting context for its calls.
-    pub fn shm_parts(
-        &mut self,
-    ) -> (
-        &mut crate::shm::ShmGroup,
-        crate::shm::WaitCtx<'_>,
-        crate::wire::collective::ShmFingerprint,
-    ) {
-        let fp = crate::wire::collective::ShmFingerprint::of(&self.fp, self.fp_extra);
-        let w = crate::shm::WaitCtx {
-            ctx: &self.ctx,
-            deadline: self.deadline,
-            timeout: self.timeout,
-        };
-        (self.shm.as_deref_mut().expect("shared memory group"), w, fp)
-    }
 }
 
 impl Run<'_> {

@@ -9,7 +9,7 @@ use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::Order;
 use crate::base::segments::split_two;
-use crate::transport::tcp::Sink;
+use crate::transport::ops::Sink;
 use std::ops::Range;
 
 fn neighbours(run: &Run) -> (usize, usize) {

@@ -6,7 +6,7 @@ use super::Run;
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::Order;
-use crate::transport::tcp::Sink;
+use crate::transport::ops::Sink;
 
 /// Chunk size of the pipelined chain.
 pub const CHAIN_CHUNK: usize = 512 << 10;

@@ -6,6 +6,7 @@ mod collectives;
 pub mod traffic;
 pub(crate) mod window;
 
+use crate::algo::select::{parse_algo_overrides, select, Thresholds, Topology};
 use crate::algo::Run;
 use crate::auth::{ConnectionStats, JobToken};
 use crate::base::dtype::{DType, Element, ReduceOp};
@@ -29,74 +30,47 @@ use crate::engine::{Engine, TurnGuard};
 use crate::history::{History, OpRecord};
 use std::time::{Duration, Instant};
 
-/// Size thresholds of the algorithm selector (bytes per rank).
-#[derive(Clone, Copy, Debug)]
-pub struct Thresholds {
-    /// All-reduce: recursive doubling up to this size, ring above.
-    pub allreduce_rd_max: usize,
-    /// Broadcast / reduce: binomial tree up to this size, pipelined chain above.
-    pub tree_max: usize,
-    /// All-reduce across several hosts with several ranks each: hierarchical from this size.
-    pub hierarchical_min: usize,
+/// One collective call as the communicator runs it: the algorithms' [`Run`] over the links,
+/// and the host's shared-memory group for the shared-memory algorithm.
+pub(crate) struct Call<'a> {
+    /// What the schedules of [`crate::algo`] run on.
+    pub run: Run<'a>,
+    /// The shared-memory group, when every rank shares this host.
+    pub shm: Option<&'a mut crate::shm::ShmGroup>,
+    /// Extra fingerprint (e.g. a hash of per-rank counts) that must agree on every rank.
+    pub fp_extra: u64,
 }
 
-impl Default for Thresholds {
-    fn default() -> Self {
-        Thresholds {
-            allreduce_rd_max: 64 << 10,
-            tree_max: 64 << 10,
-            hierarchical_min: 2 << 20,
-        }
+impl<'a> std::ops::Deref for Call<'a> {
+    type Target = Run<'a>;
+    fn deref(&self) -> &Run<'a> {
+        &self.run
     }
 }
 
-/// Parse `HCOMM_ALGO`: either one algorithm for every collective that has it (`ring`), or a
-/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`).
-pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
-    let mut map = HashMap::new();
-    let spec = spec.trim();
-    if spec.is_empty() {
-        return Ok(map);
+impl<'a> std::ops::DerefMut for Call<'a> {
+    fn deref_mut(&mut self) -> &mut Run<'a> {
+        &mut self.run
     }
-    if !spec.contains('=') {
-        let algo: Algo = spec
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        for c in Collective::ALL {
-            if c.algorithms().contains(&algo) {
-                map.insert(c, algo);
-            }
-        }
-        if map.is_empty() && algo != Algo::Auto {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO={spec}: no collective has that algorithm"
-            )));
-        }
-        return Ok(map);
+}
+
+impl Call<'_> {
+    /// The shared-memory group, the waiting context for its calls and the call's fingerprint.
+    pub fn shm_parts(
+        &mut self,
+    ) -> (
+        &mut crate::shm::ShmGroup,
+        crate::shm::WaitCtx<'_>,
+        crate::wire::collective::ShmFingerprint,
+    ) {
+        let fp = crate::wire::collective::ShmFingerprint::of(&self.run.fp, self.fp_extra);
+        let w = crate::shm::WaitCtx {
+            ctx: &self.run.ctx,
+            deadline: self.run.deadline,
+            timeout: self.run.timeout,
+        };
+        (self.shm.as_deref_mut().expect("shared memory group"), w, fp)
     }
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (c, a) = part.split_once('=').ok_or_else(|| {
-            Error::Config(format!("HCOMM_ALGO: '{part}' is not collective=algorithm"))
-        })?;
-        let coll = Collective::parse(c)
-            .ok_or_else(|| Error::Config(format!("HCOMM_ALGO: unknown collective '{c}'")))?;
-        let algo: Algo = a
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO: {} cannot run with '{algo}' (choices: {})",
-                coll.name(),
-                coll.algorithms()
-                    .iter()
-                    .map(|a| a.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        map.insert(coll, algo);
-    }
-    Ok(map)
 }
 
 pub(crate) struct Inner {
@@ -558,7 +532,7 @@ impl Communicator {
     }
 
     /// Data sockets per pair of ranks (`HCOMM_NSOCKS`): TCP payloads of
-    /// [`STRIPE_MIN`](crate::transport::tcp::STRIPE_MIN) bytes or more are striped across up
+    /// [`STRIPE_MIN`](crate::transport::ops::STRIPE_MIN) bytes or more are striped across up
     /// to this many sockets per peer.
     pub fn nsocks(&self) -> usize {
         self.nsocks
@@ -986,36 +960,12 @@ impl Communicator {
     }
 
     fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {
-        let available = match forced {
-            Algo::Shm => self.shm_bytes > 0,
-            Algo::Hierarchical => self.hierarchical_layout().is_some(),
-            _ => true,
+        let topology = Topology {
+            size: self.size,
+            shared_memory: self.shm_bytes > 0,
+            hierarchical: self.hierarchical_layout().is_some(),
         };
-        if forced != Algo::Auto && available {
-            return forced;
-        }
-        if coll == Collective::AllReduce
-            && bytes >= self.thresholds.hierarchical_min
-            && self.hierarchical_layout().is_some()
-        {
-            return Algo::Hierarchical;
-        }
-        if self.shm_bytes > 0 && coll.algorithms().contains(&Algo::Shm) {
-            return Algo::Shm;
-        }
-        match coll {
-            Collective::AllReduce if bytes <= self.thresholds.allreduce_rd_max => {
-                Algo::RecursiveDoubling
-            }
-            Collective::AllReduce => Algo::Ring,
-            Collective::Broadcast | Collective::Reduce
-                if bytes <= self.thresholds.tree_max || self.size <= 2 =>
-            {
-                Algo::Tree
-            }
-            Collective::Broadcast | Collective::Reduce => Algo::Chain,
-            c => c.algorithms()[0],
-        }
+        select(coll, bytes, forced, &topology, &self.thresholds)
     }
 
     /// The algorithm the selector would use for `coll` on `bytes` bytes per rank (after
@@ -1077,7 +1027,7 @@ impl Communicator {
         body: F,
     ) -> Result<()>
     where
-        F: FnOnce(&mut Run, Algo) -> Result<()>,
+        F: FnOnce(&mut Call, Algo) -> Result<()>,
     {
         let (mut inner, ctx) = self.lock(coll.name())?;
         let algo = self.choose(&mut inner, coll, bytes);
@@ -1090,18 +1040,20 @@ impl Communicator {
         let deadline = inner.history.deadline(timeout);
         let result = {
             let inner = &mut *inner;
-            let mut run = Run {
-                links: &mut inner.links,
-                rank: self.rank,
-                size: self.size,
-                ctx,
-                fp,
-                deadline,
-                timeout,
+            let mut call = Call {
+                run: Run {
+                    links: &mut inner.links,
+                    rank: self.rank,
+                    size: self.size,
+                    ctx,
+                    fp,
+                    deadline,
+                    timeout,
+                },
                 shm: inner.shm.as_mut(),
                 fp_extra: 0,
             };
-            body(&mut run, algo)
+            body(&mut call, algo)
         };
         Self::finish(&mut inner, true, result)
     }

@@ -1,4 +1,45 @@
-//! Transports: how bytes move between ranks.
+//! Transports: how bytes move between ranks, and the contract the algorithms program against.
+//!
+//! An algorithm ([`crate::algo`]) sees only [`Links`]: it hands over the frames one step of its
+//! schedule sends and receives ([`ops::SendOp`], [`ops::RecvOp`]), each receive with a
+//! [`ops::Sink`] saying where the payload goes (copied, or reduced into an accumulator in the
+//! algorithm's operand order), and the links move them. What implements it:
+//!
+//! * [`tcp::TcpLinks`]: a socket (or several, striped) per peer, or the shared-memory rings of
+//!   [`crate::shm::p2p`] with a peer on the same host; links are set up lazily, inside the
+//!   first exchange that needs them (part of the contract: an exchange may connect);
+//! * [`mem::MemLinks`]: an in-process fabric, so that every schedule can be run for any world
+//!   size in one test process against a reference ([`crate::algo`]'s schedule tests).
+//!
+//! The shared-memory collectives of [`crate::shm`] are a different kind of transport: whole
+//! collectives on a segment every rank of a host maps, chosen as [`crate::Algo::Shm`] by the
+//! communicator; they do not go through [`Links`].
+//!
+//! Rules (checked by `tests/layering.rs`): a transport never imports [`crate::algo`],
+//! [`crate::comm`] or [`crate::bootstrap`]; it describes frames through [`crate::wire`].
 
+pub mod mem;
+pub mod ops;
 pub mod tcp;
 pub mod wait;
+
+use crate::base::error::{OpContext, Result};
+use ops::{RecvOp, SendOp};
+use std::time::Instant;
+
+/// The point-to-point links of one communicator, as an algorithm uses them.
+pub trait Links {
+    /// Run `sends` and `recvs` concurrently until all are complete, or fail by `deadline`.
+    ///
+    /// Sends to one peer go out in the order given; receives from one peer are matched in the
+    /// order given. A collective receive accepts only a frame with its fingerprint and size:
+    /// anything else is a [`crate::Error::Mismatch`] naming both calls. On error the links are
+    /// in an undefined state and the caller must poison the communicator.
+    fn exchange(
+        &mut self,
+        ctx: &OpContext,
+        sends: &mut [SendOp],
+        recvs: &mut [RecvOp],
+        deadline: Instant,
+    ) -> Result<()>;
+}

@@ -1,0 +1,502 @@
+//! The schedule tier: every algorithm's schedule run on the in-memory transport
+//! ([`crate::transport::mem`]), one thread per rank, for world sizes 1 to 17, against a plain
+//! CPU reference. No socket, segment or communicator is involved, so a failure here is the
+//! schedule's own (a wrong segment, step or peer), and a schedule that deadlocks fails at its
+//! deadline instead of hanging the suite.
+//!
+//! Inputs are the small integers of [`crate::testing::input`], so every reduction order gives
+//! the same exact result and the reference can be computed in f64.
+
+use super::{basic, ring, tree, Algo, Run};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::{OpContext, Result};
+use crate::base::segments::{count_segments, even_segments};
+use crate::testing::{input, reference};
+use crate::transport::mem::MemFabric;
+use crate::wire::collective::{fingerprint, Collective};
+use crate::wire::frame::Header;
+use proptest::prelude::*;
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(10);
+const DTYPES: [DType; 11] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::U32,
+    DType::U64,
+];
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
+
+/// Run `body` on `n` ranks of a fresh fabric, each with a [`Run`] whose fingerprint is the
+/// same on every rank, and return every rank's output. Panics naming the rank that failed,
+/// and if any frame was left unreceived.
+fn world<F>(n: usize, fp: Header, body: F) -> Vec<Vec<u8>>
+where
+    F: Fn(&mut Run, usize) -> Result<Vec<u8>> + Sync,
+{
+    let fabric = MemFabric::new(n);
+    let outs: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (fabric, body) = (&fabric, &body);
+                s.spawn(move || {
+                    let mut links = fabric.links(rank);
+                    let mut run = Run {
+                        links: &mut links,
+                        rank,
+                        size: n,
+                        ctx: OpContext {
+                            op: "schedule",
+                            seq: fp.seq,
+                        },
+                        fp,
+                        deadline: Instant::now() + DEADLINE,
+                        timeout: DEADLINE,
+                    };
+                    body(&mut run, rank)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let outs: Vec<Vec<u8>> = outs
+        .into_iter()
+        .enumerate()
+        .map(|(r, o)| o.unwrap_or_else(|e| panic!("rank {r} of {n}: {e}")))
+        .collect();
+    assert_eq!(
+        fabric.frames_in_flight(),
+        0,
+        "{n} ranks left frames unreceived"
+    );
+    outs
+}
+
+fn fp(
+    coll: Collective,
+    algo: Algo,
+    dtype: DType,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+    count: usize,
+) -> Header {
+    Header {
+        algo: algo.code(),
+        ..fingerprint(1, coll, Some(dtype), op, root, count)
+    }
+}
+
+/// Per-rank element counts of a v-variant: uneven, some zero.
+fn uneven(n: usize, seed: u64) -> Vec<usize> {
+    (0..n)
+        .map(|r| ((r as u64 * 7 + seed * 3) % 5) as usize)
+        .collect()
+}
+
+fn all_reduce(n: usize, algo: Algo, dtype: DType, op: ReduceOp, count: usize, seed: u64) {
+    let want = reference(dtype, op, n, count, seed);
+    let outs = world(
+        n,
+        fp(Collective::AllReduce, algo, dtype, Some(op), None, count),
+        |run, r| {
+            let mut buf = input(dtype, op, r, count, seed);
+            match algo {
+                Algo::Ring => ring::all_reduce(
+                    run,
+                    &mut buf,
+                    &even_segments(count, n, dtype.size()),
+                    dtype,
+                    op,
+                )?,
+                Algo::RecursiveDoubling => basic::all_reduce_rd(run, &mut buf, dtype, op)?,
+                a => unreachable!("{a}"),
+            }
+            Ok(buf)
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        assert!(
+            got == &want,
+            "all_reduce {algo} {dtype} {op} count {count} on {n} ranks: rank {r} differs"
+        );
+    }
+}
+
+fn reduce_scatter(
+    n: usize,
+    dtype: DType,
+    op: ReduceOp,
+    per_rank: usize,
+    in_place: bool,
+    seed: u64,
+) {
+    let count = per_rank * n;
+    let want = reference(dtype, op, n, count, seed);
+    let segs = even_segments(count, n, dtype.size());
+    let outs = world(
+        n,
+        fp(
+            Collective::ReduceScatter,
+            Algo::Ring,
+            dtype,
+            Some(op),
+            None,
+            count,
+        ),
+        |run, r| {
+            let mut full = input(dtype, op, r, count, seed);
+            if in_place {
+                ring::reduce_scatter(run, ring::RsIo::InPlace(&mut full), &segs, dtype, op)?;
+                Ok(full[segs[r].clone()].to_vec())
+            } else {
+                let mut out = vec![0u8; segs[r].len()];
+                let before = full.clone();
+                ring::reduce_scatter(
+                    run,
+                    ring::RsIo::Out {
+                        input: &full,
+                        output: &mut out,
+                    },
+                    &segs,
+                    dtype,
+                    op,
+                )?;
+                assert_eq!(full, before, "reduce_scatter wrote its input");
+                full.clear();
+                Ok(out)
+            }
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        assert!(got[..] == want[segs[r].clone()], "reduce_scatter {dtype} {op} {per_rank}/rank in_place={in_place} on {n} ranks: rank {r} differs");
+    }
+}
+
+/// Rank `r`'s block of a gather/scatter/all-gather: `counts[r]` elements, distinct per rank.
+fn block(dtype: DType, r: usize, count: usize, seed: u64) -> Vec<u8> {
+    input(dtype, ReduceOp::Max, r, count, seed)
+}
+
+fn all_gather(n: usize, dtype: DType, counts: &[usize], seed: u64) {
+    let segs = count_segments(counts, dtype.size());
+    let want: Vec<u8> = (0..n)
+        .flat_map(|r| block(dtype, r, counts[r], seed))
+        .collect();
+    let total = counts.iter().sum();
+    let outs = world(
+        n,
+        fp(Collective::AllGather, Algo::Ring, dtype, None, None, total),
+        |run, r| {
+            let mut buf = vec![0u8; want.len()];
+            buf[segs[r].clone()].copy_from_slice(&block(dtype, r, counts[r], seed));
+            ring::all_gather_in_place(run, &mut buf, &segs, 0)?;
+            Ok(buf)
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        assert!(
+            got == &want,
+            "all_gather {dtype} counts {counts:?}: rank {r} differs"
+        );
+    }
+}
+
+fn broadcast(n: usize, algo: Algo, dtype: DType, count: usize, root: usize, seed: u64) {
+    let want = block(dtype, root, count, seed);
+    let outs = world(
+        n,
+        fp(Collective::Broadcast, algo, dtype, None, Some(root), count),
+        |run, r| {
+            let mut buf = if r == root {
+                want.clone()
+            } else {
+                vec![0u8; want.len()]
+            };
+            match algo {
+                Algo::Tree => tree::broadcast_tree(run, &mut buf, root)?,
+                Algo::Chain => tree::broadcast_chain(run, &mut buf, root)?,
+                a => unreachable!("{a}"),
+            }
+            Ok(buf)
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        assert!(
+            got == &want,
+            "broadcast {algo} {dtype} count {count} root {root} on {n} ranks: rank {r} differs"
+        );
+    }
+}
+
+fn reduce(n: usize, algo: Algo, dtype: DType, op: ReduceOp, count: usize, root: usize, seed: u64) {
+    let want = reference(dtype, op, n, count, seed);
+    let outs = world(
+        n,
+        fp(Collective::Reduce, algo, dtype, Some(op), Some(root), count),
+        |run, r| {
+            let mine = input(dtype, op, r, count, seed);
+            match algo {
+                Algo::Tree => {
+                    let mut acc = mine;
+                    if n > 1 {
+                        tree::reduce_tree(run, &mut acc, dtype, op, root)?;
+                    }
+                    Ok(if r == root { acc } else { Vec::new() })
+                }
+                Algo::Chain => {
+                    let mut out = vec![0u8; if r == root { mine.len() } else { 0 }];
+                    tree::reduce_chain(run, &mine, &mut out, dtype, op, root)?;
+                    Ok(out)
+                }
+                a => unreachable!("{a}"),
+            }
+        },
+    );
+    assert!(
+        outs[root] == want,
+        "reduce {algo} {dtype} {op} count {count} root {root} on {n} ranks: root differs"
+    );
+}
+
+fn gather_scatter(n: usize, dtype: DType, counts: &[usize], root: usize, seed: u64) {
+    let segs = count_segments(counts, dtype.size());
+    let all: Vec<u8> = (0..n)
+        .flat_map(|r| block(dtype, r, counts[r], seed))
+        .collect();
+    let total = counts.iter().sum();
+    let gathered = world(
+        n,
+        fp(
+            Collective::Gather,
+            Algo::Linear,
+            dtype,
+            None,
+            Some(root),
+            total,
+        ),
+        |run, r| {
+            let mine = block(dtype, r, counts[r], seed);
+            let mut out = vec![0u8; if r == root { all.len() } else { 0 }];
+            basic::gather_linear(run, &mine, &mut out, &segs, root)?;
+            Ok(out)
+        },
+    );
+    assert!(
+        gathered[root] == all,
+        "gather {dtype} counts {counts:?} root {root}: root differs"
+    );
+    let scattered = world(
+        n,
+        fp(
+            Collective::Scatter,
+            Algo::Linear,
+            dtype,
+            None,
+            Some(root),
+            total,
+        ),
+        |run, r| {
+            let input = if r == root { all.clone() } else { Vec::new() };
+            let mut out = vec![0u8; segs[r].len()];
+            basic::scatter_linear(run, &input, &mut out, &segs, root)?;
+            Ok(out)
+        },
+    );
+    for (r, got) in scattered.iter().enumerate() {
+        assert!(
+            got[..] == all[segs[r].clone()],
+            "scatter {dtype} counts {counts:?} root {root}: rank {r} differs"
+        );
+    }
+}
+
+fn all_to_all(n: usize, dtype: DType, seed: u64) {
+    // counts[i][j]: elements rank i sends to rank j.
+    let counts: Vec<Vec<usize>> = (0..n)
+        .map(|i| {
+            (0..n)
+                .map(|j| (i * 3 + j * 5 + seed as usize) % 4)
+                .collect()
+        })
+        .collect();
+    let piece = |i: usize, j: usize| input(dtype, ReduceOp::Max, i * n + j, counts[i][j], seed);
+    let outs = world(
+        n,
+        fp(Collective::AllToAll, Algo::Pairwise, dtype, None, None, 0),
+        |run, r| {
+            let send: Vec<u8> = (0..n).flat_map(|j| piece(r, j)).collect();
+            let ss = count_segments(&counts[r], dtype.size());
+            let from: Vec<usize> = (0..n).map(|i| counts[i][r]).collect();
+            let rs = count_segments(&from, dtype.size());
+            let mut recv = vec![0u8; rs.last().map_or(0, |s| s.end)];
+            basic::all_to_all_pairwise(run, &send, &ss, &mut recv, &rs)?;
+            Ok(recv)
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        let want: Vec<u8> = (0..n).flat_map(|i| piece(i, r)).collect();
+        assert!(
+            got == &want,
+            "all_to_all {dtype} on {n} ranks: rank {r} differs"
+        );
+    }
+}
+
+#[test]
+fn every_schedule_on_1_to_17_ranks() {
+    for n in 1..=17 {
+        let seed = n as u64;
+        for count in [0, 1, 2, 7, 4099] {
+            for algo in [Algo::Ring, Algo::RecursiveDoubling] {
+                all_reduce(n, algo, DType::F32, ReduceOp::Sum, count, seed);
+            }
+            for algo in [Algo::Tree, Algo::Chain] {
+                broadcast(n, algo, DType::I32, count, (n - 1) / 2, seed);
+                reduce(n, algo, DType::I64, ReduceOp::Sum, count, n - 1, seed);
+            }
+        }
+        for per_rank in [0, 1, 3] {
+            reduce_scatter(n, DType::F64, ReduceOp::Sum, per_rank, true, seed);
+            reduce_scatter(n, DType::F64, ReduceOp::Sum, per_rank, false, seed);
+        }
+        all_gather(n, DType::F16, &uneven(n, seed), seed);
+        all_gather(n, DType::U8, &vec![3; n], seed);
+        gather_scatter(n, DType::I16, &uneven(n, seed), n / 2, seed);
+        all_to_all(n, DType::U32, seed);
+        let _ = world(
+            n,
+            fp(
+                Collective::Barrier,
+                Algo::Dissemination,
+                DType::U8,
+                None,
+                None,
+                0,
+            ),
+            |run, _| {
+                if n > 1 {
+                    basic::barrier_dissemination(run)?;
+                }
+                Ok(Vec::new())
+            },
+        );
+    }
+}
+
+#[test]
+fn chain_schedules_with_several_chunks() {
+    // Larger than two chain chunks, so the pipeline forwards and receives at once.
+    let count = 2 * tree::CHAIN_CHUNK / 4 + 1001;
+    for n in [2, 3, 5] {
+        broadcast(n, Algo::Chain, DType::F32, count, 1, 7);
+        reduce(n, Algo::Chain, DType::F32, ReduceOp::Sum, count, n - 1, 7);
+        all_reduce(n, Algo::Ring, DType::BF16, ReduceOp::Max, count, 7);
+    }
+}
+
+#[test]
+fn a_mismatched_call_is_named_not_hung() {
+    // Rank 1 expects a broadcast of 5 elements, rank 0 sends 4: the fabric refuses the frame
+    // and names both calls, as the TCP links do.
+    let fabric = MemFabric::new(2);
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let fabric = &fabric;
+                s.spawn(move || {
+                    let mut links = fabric.links(rank);
+                    let count = 4 + rank;
+                    let mut run = Run {
+                        links: &mut links,
+                        rank,
+                        size: 2,
+                        ctx: OpContext {
+                            op: "broadcast",
+                            seq: 1,
+                        },
+                        fp: fp(
+                            Collective::Broadcast,
+                            Algo::Tree,
+                            DType::U8,
+                            None,
+                            Some(0),
+                            count,
+                        ),
+                        deadline: Instant::now() + Duration::from_secs(5),
+                        timeout: Duration::from_secs(5),
+                    };
+                    tree::broadcast_tree(&mut run, &mut vec![0u8; count], 0)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    let e = results[1].as_ref().unwrap_err().to_string();
+    assert!(
+        e.contains("mismatch with rank 0") && e.contains("count=4") && e.contains("count=5"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_missing_peer_fails_at_the_deadline() {
+    let fabric = MemFabric::new(2);
+    let mut links = fabric.links(1);
+    let mut run = Run {
+        links: &mut links,
+        rank: 1,
+        size: 2,
+        ctx: OpContext {
+            op: "broadcast",
+            seq: 1,
+        },
+        fp: fp(
+            Collective::Broadcast,
+            Algo::Tree,
+            DType::U8,
+            None,
+            Some(0),
+            4,
+        ),
+        deadline: Instant::now() + Duration::from_millis(200),
+        timeout: Duration::from_millis(200),
+    };
+    let e = tree::broadcast_tree(&mut run, &mut [0u8; 4], 0).unwrap_err();
+    assert!(e.is_timeout() && e.to_string().contains("[0]"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    #[test]
+    fn all_reduce_any_world_count_dtype_op(n in 1usize..=17, count in 0usize..=4099, d in 0..DTYPES.len(), o in 0..OPS.len(), rd in any::<bool>(), seed in 0u64..1000) {
+        let algo = if rd { Algo::RecursiveDoubling } else { Algo::Ring };
+        all_reduce(n, algo, DTYPES[d], OPS[o], count, seed);
+    }
+
+    #[test]
+    fn rooted_any_world_count_dtype_root(n in 1usize..=17, count in 0usize..=4099, d in 0..DTYPES.len(), o in 0..OPS.len(), root in 0usize..17, chain in any::<bool>(), seed in 0u64..1000) {
+        let root = root % n;
+        let algo = if chain { Algo::Chain } else { Algo::Tree };
+        broadcast(n, algo, DTYPES[d], count, root, seed);
+        reduce(n, algo, DTYPES[d], OPS[o], count, root, seed);
+        let counts: Vec<usize> = (0..n).map(|r| (count / n + r) % 9).collect();
+        gather_scatter(n, DTYPES[d], &counts, root, seed);
+    }
+
+    #[test]
+    fn ring_phases_any_world(n in 1usize..=17, per_rank in 0usize..=300, d in 0..DTYPES.len(), o in 0..OPS.len(), in_place in any::<bool>(), seed in 0u64..1000) {
+        reduce_scatter(n, DTYPES[d], OPS[o], per_rank, in_place, seed);
+        let counts: Vec<usize> = (0..n).map(|r| (per_rank + r * 7) % 301).collect();
+        all_gather(n, DTYPES[d], &counts, seed);
+        all_to_all(n, DTYPES[d], seed);
+    }
+}

@@ -1,0 +1,225 @@
+//! Which algorithm a collective runs with: `HCOMM_ALGO` / `set_algorithm` overrides, then
+//! the choice by message size, world size and topology. Kept apart from the schedules and
+//! from the communicator, so the rule can be read and tested on its own.
+
+use crate::base::error::{Error, Result};
+use crate::wire::collective::{Algo, Collective};
+use std::collections::HashMap;
+
+/// What the selector needs to know of a communicator.
+#[derive(Clone, Copy, Debug)]
+pub struct Topology {
+    /// World size.
+    pub size: usize,
+    /// Every rank shares this host and the shared-memory collectives are set up.
+    pub shared_memory: bool,
+    /// Several hosts with several ranks each (the hierarchical layout exists).
+    pub hierarchical: bool,
+}
+
+/// Size thresholds of the algorithm selector (bytes per rank).
+#[derive(Clone, Copy, Debug)]
+pub struct Thresholds {
+    /// All-reduce: recursive doubling up to this size, ring above.
+    pub allreduce_rd_max: usize,
+    /// Broadcast / reduce: binomial tree up to this size, pipelined chain above.
+    pub tree_max: usize,
+    /// All-reduce across several hosts with several ranks each: hierarchical from this size.
+    pub hierarchical_min: usize,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            allreduce_rd_max: 64 << 10,
+            tree_max: 64 << 10,
+            hierarchical_min: 2 << 20,
+        }
+    }
+}
+
+/// Parse `HCOMM_ALGO`: either one algorithm for every collective that has it (`ring`), or a
+/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`).
+pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
+    let mut map = HashMap::new();
+    let spec = spec.trim();
+    if spec.is_empty() {
+        return Ok(map);
+    }
+    if !spec.contains('=') {
+        let algo: Algo = spec
+            .parse()
+            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
+        for c in Collective::ALL {
+            if c.algorithms().contains(&algo) {
+                map.insert(c, algo);
+            }
+        }
+        if map.is_empty() && algo != Algo::Auto {
+            return Err(Error::Config(format!(
+                "HCOMM_ALGO={spec}: no collective has that algorithm"
+            )));
+        }
+        return Ok(map);
+    }
+    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        let (c, a) = part.split_once('=').ok_or_else(|| {
+            Error::Config(format!("HCOMM_ALGO: '{part}' is not collective=algorithm"))
+        })?;
+        let coll = Collective::parse(c)
+            .ok_or_else(|| Error::Config(format!("HCOMM_ALGO: unknown collective '{c}'")))?;
+        let algo: Algo = a
+            .parse()
+            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
+        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
+            return Err(Error::Config(format!(
+                "HCOMM_ALGO: {} cannot run with '{algo}' (choices: {})",
+                coll.name(),
+                coll.algorithms()
+                    .iter()
+                    .map(|a| a.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        map.insert(coll, algo);
+    }
+    Ok(map)
+}
+
+/// The algorithm for `coll` on `bytes` bytes per rank: `forced` when it is set and available
+/// on this topology, else the default rule (hierarchical for large all-reduces across hosts of
+/// several ranks, shared memory within one host, otherwise by size).
+pub fn select(
+    coll: Collective,
+    bytes: usize,
+    forced: Algo,
+    topology: &Topology,
+    thresholds: &Thresholds,
+) -> Algo {
+    let available = match forced {
+        Algo::Shm => topology.shared_memory,
+        Algo::Hierarchical => topology.hierarchical,
+        _ => true,
+    };
+    if forced != Algo::Auto && available {
+        return forced;
+    }
+    if coll == Collective::AllReduce
+        && bytes >= thresholds.hierarchical_min
+        && topology.hierarchical
+    {
+        return Algo::Hierarchical;
+    }
+    if topology.shared_memory && coll.algorithms().contains(&Algo::Shm) {
+        return Algo::Shm;
+    }
+    match coll {
+        Collective::AllReduce if bytes <= thresholds.allreduce_rd_max => Algo::RecursiveDoubling,
+        Collective::AllReduce => Algo::Ring,
+        Collective::Broadcast | Collective::Reduce
+            if bytes <= thresholds.tree_max || topology.size <= 2 =>
+        {
+            Algo::Tree
+        }
+        Collective::Broadcast | Collective::Reduce => Algo::Chain,
+        c => c.algorithms()[0],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TCP: Topology = Topology {
+        size: 4,
+        shared_memory: false,
+        hierarchical: false,
+    };
+
+    #[test]
+    fn by_size_over_tcp() {
+        let t = Thresholds::default();
+        let pick = |c, b| select(c, b, Algo::Auto, &TCP, &t);
+        assert_eq!(pick(Collective::AllReduce, 8), Algo::RecursiveDoubling);
+        assert_eq!(
+            pick(Collective::AllReduce, t.allreduce_rd_max),
+            Algo::RecursiveDoubling
+        );
+        assert_eq!(
+            pick(Collective::AllReduce, t.allreduce_rd_max + 1),
+            Algo::Ring
+        );
+        assert_eq!(pick(Collective::Broadcast, 8), Algo::Tree);
+        assert_eq!(pick(Collective::Reduce, 1 << 20), Algo::Chain);
+        assert_eq!(pick(Collective::AllToAll, 8), Algo::Pairwise);
+        assert_eq!(pick(Collective::Barrier, 0), Algo::Dissemination);
+        let two = Topology { size: 2, ..TCP };
+        assert_eq!(
+            select(Collective::Broadcast, 1 << 20, Algo::Auto, &two, &t),
+            Algo::Tree
+        );
+    }
+
+    #[test]
+    fn topology_first_then_overrides() {
+        let t = Thresholds::default();
+        let shm = Topology {
+            shared_memory: true,
+            ..TCP
+        };
+        let hier = Topology {
+            hierarchical: true,
+            ..TCP
+        };
+        assert_eq!(
+            select(Collective::AllReduce, 8, Algo::Auto, &shm, &t),
+            Algo::Shm
+        );
+        assert_eq!(
+            select(Collective::AllReduce, 8, Algo::Ring, &shm, &t),
+            Algo::Ring
+        );
+        let big = t.hierarchical_min;
+        assert_eq!(
+            select(Collective::AllReduce, big, Algo::Auto, &hier, &t),
+            Algo::Hierarchical
+        );
+        assert_eq!(
+            select(Collective::AllReduce, big - 1, Algo::Auto, &hier, &t),
+            Algo::Ring
+        );
+        // A forced algorithm this topology lacks falls back to the rule.
+        assert_eq!(
+            select(Collective::AllReduce, 8, Algo::Shm, &TCP, &t),
+            Algo::RecursiveDoubling
+        );
+        assert_eq!(
+            select(Collective::AllReduce, big, Algo::Hierarchical, &TCP, &t),
+            Algo::Ring
+        );
+    }
+
+    #[test]
+    fn overrides_parse_and_refuse() {
+        let all = parse_algo_overrides("ring").unwrap();
+        assert_eq!(all.get(&Collective::AllReduce), Some(&Algo::Ring));
+        assert_eq!(all.get(&Collective::Broadcast), None);
+        let some = parse_algo_overrides("allreduce=rd, bcast=chain").unwrap();
+        assert_eq!(
+            some.get(&Collective::AllReduce),
+            Some(&Algo::RecursiveDoubling)
+        );
+        assert_eq!(some.get(&Collective::Broadcast), Some(&Algo::Chain));
+        assert!(parse_algo_overrides("").unwrap().is_empty());
+        for bad in [
+            "nosuch",
+            "broadcast=ring",
+            "allreduce",
+            "gather=linear,x=ring",
+        ] {
+            let e = parse_algo_overrides(bad).unwrap_err().to_string();
+            assert!(e.contains("HCOMM_ALGO"), "{bad}: {e}");
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! An in-process transport: every rank of a world is a thread of one process, and a frame is
+//! a copy handed to the receiver's mailbox. It carries collective frames only (what the
+//! schedules of [`crate::algo`] send), and exists so that every schedule can be run for any
+//! world size in one test process, against a reference, with no socket or segment involved.
+//!
+//! It keeps the contract's matching rules: frames from one peer are taken in the order sent,
+//! and a receive accepts only a frame with its fingerprint, step and size (anything else is a
+//! [`Error::Mismatch`] naming both calls, as over TCP). Sends never block (a mailbox has no
+//! bound), so an exchange posts its sends first and then completes its receives one by one.
+
+use super::ops::{unexpected, Expect, RecvOp, SendOp};
+use super::Links;
+use crate::base::error::{Error, OpContext, Result};
+use crate::wire::frame::Header;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// One frame in flight.
+struct Frame {
+    hdr: Header,
+    payload: Vec<u8>,
+}
+
+/// The frames waiting for one rank, one queue per sender.
+struct Mailbox {
+    from: Mutex<Vec<VecDeque<Frame>>>,
+    arrived: Condvar,
+}
+
+/// The mailboxes of a world of `n` ranks; hand one [`MemLinks`] to each rank's thread.
+pub struct MemFabric {
+    boxes: Vec<Mailbox>,
+}
+
+impl MemFabric {
+    /// A fabric for `n` ranks.
+    pub fn new(n: usize) -> Arc<MemFabric> {
+        Arc::new(MemFabric {
+            boxes: (0..n)
+                .map(|_| Mailbox {
+                    from: Mutex::new((0..n).map(|_| VecDeque::new()).collect()),
+                    arrived: Condvar::new(),
+                })
+                .collect(),
+        })
+    }
+
+    /// The links of `rank`.
+    pub fn links(self: &Arc<Self>, rank: usize) -> MemLinks {
+        assert!(rank < self.boxes.len(), "rank {rank} out of range");
+        MemLinks {
+            rank,
+            fabric: Arc::clone(self),
+            frames_sent: 0,
+            bytes_sent: 0,
+        }
+    }
+
+    /// Frames sent but not received yet, over the whole world (0 after a clean run).
+    pub fn frames_in_flight(&self) -> usize {
+        self.boxes
+            .iter()
+            .map(|b| lock(&b.from).iter().map(VecDeque::len).sum::<usize>())
+            .sum()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A rank that panicked mid-test poisons nothing that matters here: the queues stay valid.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One rank's end of a [`MemFabric`].
+pub struct MemLinks {
+    rank: usize,
+    fabric: Arc<MemFabric>,
+    frames_sent: u64,
+    bytes_sent: u64,
+}
+
+impl MemLinks {
+    /// Frames and payload bytes this rank has sent.
+    pub fn sent(&self) -> (u64, u64) {
+        (self.frames_sent, self.bytes_sent)
+    }
+
+    fn check_peer(&self, ctx: &OpContext, peer: usize) -> Result<()> {
+        if peer >= self.fabric.boxes.len() || peer == self.rank {
+            return Err(Error::invalid(
+                ctx.op,
+                ctx.seq,
+                format!(
+                    "rank {} addressed rank {peer} on a fabric of {} ranks",
+                    self.rank,
+                    self.fabric.boxes.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Links for MemLinks {
+    fn exchange(
+        &mut self,
+        ctx: &OpContext,
+        sends: &mut [SendOp],
+        recvs: &mut [RecvOp],
+        deadline: Instant,
+    ) -> Result<()> {
+        let start = Instant::now();
+        for s in sends.iter() {
+            self.check_peer(ctx, s.peer)?;
+            let mailbox = &self.fabric.boxes[s.peer];
+            lock(&mailbox.from)[self.rank].push_back(Frame {
+                hdr: s.hdr,
+                payload: s.data.to_vec(),
+            });
+            mailbox.arrived.notify_all();
+            self.frames_sent += 1;
+            self.bytes_sent += s.data.len() as u64;
+        }
+        let mailbox = &self.fabric.boxes[self.rank];
+        for i in 0..recvs.len() {
+            let peer = recvs[i].peer;
+            self.check_peer(ctx, peer)?;
+            let Expect::Coll(fp) = recvs[i].expects() else {
+                return Err(Error::invalid(
+                    ctx.op,
+                    ctx.seq,
+                    "the in-memory transport carries collective frames only",
+                ));
+            };
+            let mut queues = lock(&mailbox.from);
+            let frame = loop {
+                if let Some(f) = queues[peer].pop_front() {
+                    break f;
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout {
+                        ctx: ctx.clone(),
+                        peers: vec![peer],
+                        after: deadline.saturating_duration_since(start),
+                        detail: format!("step {} of {} bytes", fp.tag, recvs[i].sink.len()),
+                    });
+                }
+                queues = mailbox
+                    .arrived
+                    .wait_timeout(queues, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            };
+            drop(queues);
+            let h = frame.hdr;
+            if !(fp.same_fingerprint(&h)
+                && h.tag == fp.tag
+                && h.len as usize == frame.payload.len())
+                || frame.payload.len() != recvs[i].sink.len()
+            {
+                return Err(unexpected(ctx, peer, &h, &recvs[i..]));
+            }
+            recvs[i].complete_whole(h, &frame.payload);
+        }
+        Ok(())
+    }
+}
