@@ -12,7 +12,7 @@ use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
-use crate::config::{BootstrapConfig, TransportKind};
+use crate::config::{BootstrapConfig, TransportKind, Tuning};
 use crate::transport::tcp::{RecvOp, SendOp, TcpLinks, EAGER_MAX};
 use crate::transport::wait::WaitPolicy;
 use crate::wire::collective::Algo;
@@ -51,52 +51,10 @@ impl Default for Thresholds {
 }
 
 /// Parse `HCOMM_ALGO`: either one algorithm for every collective that has it (`ring`), or a
-/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`).
+/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`); see
+/// [`config::knobs::parse_algo_overrides`](crate::config::knobs::parse_algo_overrides).
 pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
-    let mut map = HashMap::new();
-    let spec = spec.trim();
-    if spec.is_empty() {
-        return Ok(map);
-    }
-    if !spec.contains('=') {
-        let algo: Algo = spec
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        for c in Collective::ALL {
-            if c.algorithms().contains(&algo) {
-                map.insert(c, algo);
-            }
-        }
-        if map.is_empty() && algo != Algo::Auto {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO={spec}: no collective has that algorithm"
-            )));
-        }
-        return Ok(map);
-    }
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (c, a) = part.split_once('=').ok_or_else(|| {
-            Error::Config(format!("HCOMM_ALGO: '{part}' is not collective=algorithm"))
-        })?;
-        let coll = Collective::parse(c)
-            .ok_or_else(|| Error::Config(format!("HCOMM_ALGO: unknown collective '{c}'")))?;
-        let algo: Algo = a
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO: {} cannot run with '{algo}' (choices: {})",
-                coll.name(),
-                coll.algorithms()
-                    .iter()
-                    .map(|a| a.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        map.insert(coll, algo);
-    }
-    Ok(map)
+    crate::config::knobs::parse_algo_overrides(spec).map_err(Error::Config)
 }
 
 pub(crate) struct Inner {
@@ -175,6 +133,8 @@ pub struct Communicator {
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
+    /// The tuning knobs this communicator was built with (inherited by sub-communicators).
+    tuning: Tuning,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -310,7 +270,7 @@ impl Communicator {
     /// publishes its listening address, and the world communicator is built.
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
         init_logging();
-        crate::config::check_tuning_variables().map_err(Error::Config)?;
+        let tuning = Tuning::from_env()?;
         let start = Instant::now();
         let token = cfg.token()?;
         if token.is_none() && cfg.world_size > 1 {
@@ -352,10 +312,6 @@ impl Communicator {
             .host_id
             .clone()
             .unwrap_or_else(bootstrap::default_host_id);
-        let algo = match std::env::var("HCOMM_ALGO") {
-            Ok(s) => parse_algo_overrides(&s)?,
-            Err(_) => HashMap::new(),
-        };
         let comm = Self::build(BuildArgs {
             comm_id: "world".into(),
             rank: cfg.rank,
@@ -367,7 +323,7 @@ impl Communicator {
             host_id,
             timeout: cfg.timeout,
             local_size_hint: cfg.local_world_size,
-            algo,
+            tuning,
             transport: cfg.transport,
             token,
             nsocks: cfg.nsocks,
@@ -396,7 +352,7 @@ impl Communicator {
             host_id,
             timeout,
             local_size_hint,
-            algo,
+            tuning,
             transport,
             token,
             nsocks,
@@ -450,7 +406,7 @@ impl Communicator {
             .len()
             .max(local_size_hint.unwrap_or(0).min(size))
             .max(1);
-        let policy = WaitPolicy::for_local_ranks(local_size);
+        let policy = WaitPolicy::for_local_ranks(local_size, tuning.spin_us);
         let mut links = TcpLinks::new(
             rank,
             listener,
@@ -464,12 +420,14 @@ impl Communicator {
         let (listen_addr, link_counters) = (links.listen_addr(), links.counters());
         let aborted = Arc::new(AtomicBool::new(false));
         links.set_abort_flag(aborted.clone());
+        links.set_socket_buf(tuning.socket_buf);
         let shm = if transport != TransportKind::Tcp && size > 1 && local.len() == size {
             setup_shm(
                 &mut store,
                 &comm_id,
                 rank,
                 size,
+                tuning.shm_chunk,
                 policy,
                 aborted.clone(),
                 timeout,
@@ -491,6 +449,7 @@ impl Communicator {
                 &comm_id,
                 rank,
                 &local,
+                tuning.shm_p2p_bytes,
                 timeout,
                 transport == TransportKind::Shm,
             )?
@@ -529,7 +488,7 @@ impl Communicator {
                 links,
                 seq: 0,
                 poisoned: None,
-                algo,
+                algo: tuning.algo.clone(),
                 logged: [0; 16],
                 splits: 0,
                 groups: HashMap::new(),
@@ -548,8 +507,8 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
             hier_layout,
-            corrupt_results: std::env::var("HCOMM_FAULT_INJECT")
-                .is_ok_and(|v| v.trim() == "corrupt-one"),
+            corrupt_results: tuning.corrupt_one,
+            tuning,
             token,
             listen_addr,
             link_counters,
@@ -1434,7 +1393,9 @@ impl Communicator {
             let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             inner.links.listen_ip()
         };
-        let algo = self
+        // The parent's knobs, with the algorithms it forces now.
+        let mut tuning = self.tuning.clone();
+        tuning.algo = self
             .inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1451,7 +1412,7 @@ impl Communicator {
             host_id: self.host_id.clone(),
             timeout,
             local_size_hint: None,
-            algo,
+            tuning,
             transport: self.transport,
             token: self.token.clone(),
             nsocks: self.nsocks,
@@ -1799,12 +1760,13 @@ fn setup_shm(
     comm_id: &str,
     rank: usize,
     size: usize,
+    chunk: usize,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
     timeout: Duration,
     strict: bool,
 ) -> Result<Option<crate::shm::ShmGroup>> {
-    use crate::shm::{chunk_from_env, Layout, ShmGroup};
+    use crate::shm::{Layout, ShmGroup};
     let serr =
         |e: crate::bootstrap::store::StoreError| Error::Config(format!("shared memory setup: {e}"));
     let shared = share_segment(
@@ -1815,10 +1777,7 @@ fn setup_shm(
         Instant::now() + timeout,
         &serr,
         || {
-            let layout = Layout {
-                size,
-                chunk: chunk_from_env(),
-            };
+            let layout = Layout { size, chunk };
             let name = segment_name("", comm_id);
             match ShmGroup::create(&name, layout, 0, policy, abort.clone()) {
                 Ok(g) => Ok((g, format!("{name} {}", layout.chunk))),
@@ -1885,6 +1844,7 @@ fn setup_p2p_shm(
     comm_id: &str,
     rank: usize,
     local: &[usize],
+    ring_bytes: Option<usize>,
     timeout: Duration,
     strict: bool,
 ) -> Result<Option<crate::shm::p2p::P2pShm>> {
@@ -1895,7 +1855,7 @@ fn setup_p2p_shm(
     let leader = local[0];
     let me = local.iter().position(|&r| r == rank).expect("a local rank");
     let ranks = local.len();
-    let ring = ring_bytes_for(ranks);
+    let ring = ring_bytes_for(ranks, ring_bytes);
     let shared = share_segment(
         store,
         &format!("{comm_id}/p2p/{leader}"),
@@ -2000,7 +1960,8 @@ struct BuildArgs {
     host_id: String,
     timeout: Duration,
     local_size_hint: Option<usize>,
-    algo: HashMap<Collective, Algo>,
+    /// The tuning knobs (read once, when the world communicator is built).
+    tuning: Tuning,
     transport: TransportKind,
     token: Option<JobToken>,
     nsocks: usize,
