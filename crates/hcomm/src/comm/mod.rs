@@ -245,17 +245,7 @@ impl Communicator {
     /// process's rank is read from the environment (`HCOMM_RANK`, `RANK`,
     /// `OMPI_COMM_WORLD_RANK`, `PMI_RANK` or `SLURM_PROCID`).
     pub fn from_env() -> Result<Communicator> {
-        if let Some(table) = std::env::var_os("HCOMM_RANK_TABLE") {
-            let var = ["HCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
-                .into_iter()
-                .find(|v| std::env::var_os(v).is_some())
-                .ok_or_else(|| {
-                    Error::Config("HCOMM_RANK_TABLE is set but no rank variable (HCOMM_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is".into())
-                })?;
-            let value = std::env::var(var).unwrap_or_default();
-            let rank = value.trim().parse::<usize>().map_err(|_| {
-                Error::Config(format!("{var}={value} is not a non-negative integer"))
-            })?;
+        if let Some((table, rank)) = crate::config::rank_table_from_env()? {
             return Self::from_rank_table(table, rank);
         }
         Self::from_config(&BootstrapConfig::from_env()?)

@@ -280,6 +280,12 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// `HCOMM_RANK_TABLE` is set, but none of the variables that give this process's rank.
+    #[error(
+        "HCOMM_RANK_TABLE is set but no rank variable ({}) is",
+        rank_variables().collect::<Vec<_>>().join(", ")
+    )]
+    NoRankForTable,
     /// The rank table parsed but is inconsistent; the message starts with
     /// the field at fault (such as `ranks[2].rank`) where there is one.
     #[error("rank table{}: {message}", path_suffix(.path))]
@@ -366,6 +372,37 @@ const LAUNCHERS: [Launcher; 5] = [
         local_size: &[],
     },
 ];
+
+/// The variables that may give this process's rank, in order of precedence.
+fn rank_variables() -> impl Iterator<Item = &'static str> {
+    LAUNCHERS.iter().map(|l| l.rank)
+}
+
+/// This process's rank in a job described by a rank table (`HCOMM_RANK_TABLE`): the first of
+/// `HCOMM_RANK`, `RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK` and `SLURM_PROCID` that is set, in
+/// the variables `get` supplies.
+pub fn rank_for_table(get: impl Fn(&str) -> Option<String>) -> Result<usize, ConfigError> {
+    let (var, value) = rank_variables()
+        .find_map(|v| get(v).map(|value| (v, value)))
+        .ok_or(ConfigError::NoRankForTable)?;
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| ConfigError::InvalidInteger {
+            var: var.into(),
+            value,
+        })
+}
+
+/// With `HCOMM_RANK_TABLE=path` in the environment, the table's path and this process's rank
+/// ([`rank_for_table`]), as [`Communicator::from_env`](crate::Communicator::from_env) joins
+/// a job; `None` without it.
+pub fn rank_table_from_env() -> Result<Option<(PathBuf, usize)>, ConfigError> {
+    match std::env::var_os("HCOMM_RANK_TABLE") {
+        Some(table) => Ok(Some((PathBuf::from(table), rank_for_table(env_var)?))),
+        None => Ok(None),
+    }
+}
 
 /// Variable lookup; values are trimmed and empty values count as unset.
 struct Vars<F>(F);
@@ -1111,6 +1148,36 @@ mod tests {
     }
 
     // ---- environment sources ----
+
+    #[test]
+    fn rank_for_a_rank_table() {
+        let get = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(
+            rank_for_table(get(&[("RANK", " 3 "), ("SLURM_PROCID", "1")])).unwrap(),
+            3
+        );
+        assert_eq!(
+            rank_for_table(get(&[("HCOMM_RANK", "2"), ("RANK", "3")])).unwrap(),
+            2
+        );
+        assert_eq!(
+            rank_for_table(get(&[("PMI_RANK", "x")]))
+                .unwrap_err()
+                .to_string(),
+            "PMI_RANK=x is not a non-negative integer"
+        );
+        assert_eq!(
+            rank_for_table(get(&[])).unwrap_err().to_string(),
+            "HCOMM_RANK_TABLE is set but no rank variable (HCOMM_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is"
+        );
+    }
 
     #[test]
     fn hcomm_vars() {
