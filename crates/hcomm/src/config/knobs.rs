@@ -360,6 +360,7 @@ pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>, Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{BOOTSTRAP_VARIABLES, OTHER_VARIABLES};
 
     fn read(pairs: &[(&str, &str)]) -> Result<Tuning, String> {
         let map: HashMap<String, String> = pairs
@@ -468,6 +469,81 @@ mod tests {
             read(&[("HCOMM_SHM_CHUNK", "")]).unwrap().shm_chunk,
             DEFAULT_SHM_CHUNK
         );
+    }
+
+    /// The rows of the tables of `docs/configuration.md`: (first cell, middle cells, last
+    /// cell) of every row whose first cell is a variable in backquotes.
+    fn doc_rows(doc: &str) -> Vec<(String, String, String)> {
+        doc.lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim().trim_matches('|').split(" | ").collect();
+                (
+                    cells[0].trim().trim_matches('`').to_string(),
+                    cells[1..cells.len() - 1].join(" | ").trim().to_string(),
+                    cells[cells.len() - 1].trim().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// Every `HCOMM_*` name in `text`.
+    fn hcomm_names(text: &str) -> Vec<&str> {
+        let mut names = Vec::new();
+        let mut rest = text;
+        while let Some(at) = rest.find("HCOMM_") {
+            let tail = &rest[at..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(tail.len());
+            names.push(&tail[..end]);
+            rest = &tail[end..];
+        }
+        names
+    }
+
+    #[test]
+    fn docs_list_every_knob_with_its_range_and_default() {
+        const DOC: &str = include_str!("../../../../docs/configuration.md");
+        let rows = doc_rows(DOC);
+        for knob in KNOBS {
+            let Some((_, meaning, default)) = rows.iter().find(|(v, _, _)| v == knob.var) else {
+                panic!("docs/configuration.md has no row for {}", knob.var);
+            };
+            assert!(
+                meaning.starts_with(knob.doc),
+                "{}: the doc says '{meaning}', knobs.rs '{}'",
+                knob.var,
+                knob.doc
+            );
+            if let Some(range) = knob.range_text() {
+                assert!(
+                    meaning.contains(&range),
+                    "{}: the doc says '{meaning}', which lacks the range '{range}'",
+                    knob.var
+                );
+            }
+            assert_eq!(*default, knob.default_text(), "{}'s default", knob.var);
+        }
+        // And every variable the tables name is one config knows.
+        for line in DOC.lines().filter(|l| l.starts_with('|')) {
+            for name in hcomm_names(line) {
+                assert!(
+                    knob(name).is_some()
+                        || BOOTSTRAP_VARIABLES.contains(&name)
+                        || OTHER_VARIABLES.contains(&name),
+                    "docs/configuration.md names {name}, which is neither a knob nor a \
+                     bootstrap variable: {line}"
+                );
+            }
+        }
+        // And every bootstrap variable has a row.
+        for var in BOOTSTRAP_VARIABLES.iter().chain(&OTHER_VARIABLES) {
+            assert!(
+                rows.iter().any(|(v, _, _)| v == var),
+                "docs/configuration.md has no row for {var}"
+            );
+        }
     }
 
     #[test]

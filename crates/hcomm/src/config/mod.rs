@@ -10,7 +10,7 @@
 //!   (`hcom_config.json`, see [`RankTable`]) that lists every rank of the job.
 //!
 //! The tuning knobs (`HCOMM_SPIN_US`, `HCOMM_SHM_CHUNK`, ...) are declared in [`knobs`] and
-//! read into a [`Tuning`].
+//! read into a [`Tuning`]; the variables of the bootstrap are [`BOOTSTRAP_VARIABLES`].
 //!
 //! Every problem is reported as a [`ConfigError`] whose message names the
 //! variable or field at fault. `docs/configuration.md` is the user-facing
@@ -373,6 +373,28 @@ const LAUNCHERS: [Launcher; 5] = [
     },
 ];
 
+/// Every `HCOMM_*` variable of the bootstrap (where the job is and how to reach it), besides
+/// the tuning knobs of [`knobs::KNOBS`].
+pub const BOOTSTRAP_VARIABLES: [&str; 14] = [
+    "HCOMM_RANK",
+    "HCOMM_WORLD_SIZE",
+    "HCOMM_LOCAL_RANK",
+    "HCOMM_LOCAL_WORLD_SIZE",
+    "HCOMM_HOST_ID",
+    "HCOMM_MASTER_ADDR",
+    "HCOMM_MASTER_PORT",
+    "HCOMM_TIMEOUT",
+    "HCOMM_TRANSPORT",
+    "HCOMM_SOCKET_IFNAME",
+    "HCOMM_JOB_TOKEN",
+    "HCOMM_TOKEN_FILE",
+    "HCOMM_NSOCKS",
+    "HCOMM_RANK_TABLE",
+];
+
+/// `HCOMM_*` variables that hcomm reads outside this module: `HCOMM_DEBUG`, the log level.
+pub const OTHER_VARIABLES: [&str; 1] = ["HCOMM_DEBUG"];
+
 /// The variables that may give this process's rank, in order of precedence.
 fn rank_variables() -> impl Iterator<Item = &'static str> {
     LAUNCHERS.iter().map(|l| l.rank)
@@ -409,6 +431,12 @@ struct Vars<F>(F);
 
 impl<F: Fn(&str) -> Option<String>> Vars<F> {
     fn get(&self, name: &str) -> Option<String> {
+        debug_assert!(
+            !name.starts_with("HCOMM_")
+                || BOOTSTRAP_VARIABLES.contains(&name)
+                || knobs::knob(name).is_some(),
+            "{name} is neither in BOOTSTRAP_VARIABLES nor a knob"
+        );
         (self.0)(name)
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
