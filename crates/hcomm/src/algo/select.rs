@@ -1,10 +1,9 @@
-//! Which algorithm a collective runs with: `HCOMM_ALGO` / `set_algorithm` overrides, then
-//! the choice by message size, world size and topology. Kept apart from the schedules and
+//! Which algorithm a collective runs with: an override (`HCOMM_ALGO`, parsed in
+//! [`crate::config::knobs`], or `set_algorithm`) when this topology has it, else the choice by
+//! message size, world size and topology. Kept apart from the schedules and
 //! from the communicator, so the rule can be read and tested on its own.
 
-use crate::base::error::{Error, Result};
 use crate::wire::collective::{Algo, Collective};
-use std::collections::HashMap;
 
 /// What the selector needs to know of a communicator.
 #[derive(Clone, Copy, Debug)]
@@ -36,55 +35,6 @@ impl Default for Thresholds {
             hierarchical_min: 2 << 20,
         }
     }
-}
-
-/// Parse `HCOMM_ALGO`: either one algorithm for every collective that has it (`ring`), or a
-/// list of `collective=algo` pairs (`allreduce=rd,broadcast=chain`).
-pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>> {
-    let mut map = HashMap::new();
-    let spec = spec.trim();
-    if spec.is_empty() {
-        return Ok(map);
-    }
-    if !spec.contains('=') {
-        let algo: Algo = spec
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        for c in Collective::ALL {
-            if c.algorithms().contains(&algo) {
-                map.insert(c, algo);
-            }
-        }
-        if map.is_empty() && algo != Algo::Auto {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO={spec}: no collective has that algorithm"
-            )));
-        }
-        return Ok(map);
-    }
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (c, a) = part.split_once('=').ok_or_else(|| {
-            Error::Config(format!("HCOMM_ALGO: '{part}' is not collective=algorithm"))
-        })?;
-        let coll = Collective::parse(c)
-            .ok_or_else(|| Error::Config(format!("HCOMM_ALGO: unknown collective '{c}'")))?;
-        let algo: Algo = a
-            .parse()
-            .map_err(|e| Error::Config(format!("HCOMM_ALGO: {e}")))?;
-        if algo != Algo::Auto && !coll.algorithms().contains(&algo) {
-            return Err(Error::Config(format!(
-                "HCOMM_ALGO: {} cannot run with '{algo}' (choices: {})",
-                coll.name(),
-                coll.algorithms()
-                    .iter()
-                    .map(|a| a.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-        map.insert(coll, algo);
-    }
-    Ok(map)
 }
 
 /// The algorithm for `coll` on `bytes` bytes per rank: `forced` when it is set and available
@@ -130,6 +80,7 @@ pub fn select(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::knobs::parse_algo_overrides;
 
     const TCP: Topology = Topology {
         size: 4,

@@ -6,14 +6,14 @@ mod collectives;
 pub mod traffic;
 pub(crate) mod window;
 
-use crate::algo::select::{parse_algo_overrides, select, Thresholds, Topology};
+use crate::algo::select::{select, Thresholds, Topology};
 use crate::algo::Run;
 use crate::auth::{ConnectionStats, JobToken};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
-use crate::config::{BootstrapConfig, TransportKind};
+use crate::config::{BootstrapConfig, TransportKind, Tuning};
 use crate::transport::tcp::{RecvOp, SendOp, TcpLinks, EAGER_MAX};
 use crate::transport::wait::WaitPolicy;
 use crate::wire::collective::Algo;
@@ -149,6 +149,8 @@ pub struct Communicator {
     /// Test hook `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every
     /// collective result (proves that `hcomm check` and the benchmark's check catch errors).
     corrupt_results: bool,
+    /// The tuning knobs this communicator was built with (inherited by sub-communicators).
+    tuning: Tuning,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -259,17 +261,7 @@ impl Communicator {
     /// process's rank is read from the environment (`HCOMM_RANK`, `RANK`,
     /// `OMPI_COMM_WORLD_RANK`, `PMI_RANK` or `SLURM_PROCID`).
     pub fn from_env() -> Result<Communicator> {
-        if let Some(table) = std::env::var_os("HCOMM_RANK_TABLE") {
-            let var = ["HCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
-                .into_iter()
-                .find(|v| std::env::var_os(v).is_some())
-                .ok_or_else(|| {
-                    Error::Config("HCOMM_RANK_TABLE is set but no rank variable (HCOMM_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is".into())
-                })?;
-            let value = std::env::var(var).unwrap_or_default();
-            let rank = value.trim().parse::<usize>().map_err(|_| {
-                Error::Config(format!("{var}={value} is not a non-negative integer"))
-            })?;
+        if let Some((table, rank)) = crate::config::rank_table_from_env()? {
             return Self::from_rank_table(table, rank);
         }
         Self::from_config(&BootstrapConfig::from_env()?)
@@ -284,7 +276,7 @@ impl Communicator {
     /// publishes its listening address, and the world communicator is built.
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
         init_logging();
-        crate::config::check_tuning_variables().map_err(Error::Config)?;
+        let tuning = Tuning::from_env()?;
         let start = Instant::now();
         let token = cfg.token()?;
         if token.is_none() && cfg.world_size > 1 {
@@ -326,10 +318,6 @@ impl Communicator {
             .host_id
             .clone()
             .unwrap_or_else(bootstrap::default_host_id);
-        let algo = match std::env::var("HCOMM_ALGO") {
-            Ok(s) => parse_algo_overrides(&s)?,
-            Err(_) => HashMap::new(),
-        };
         let comm = Self::build(BuildArgs {
             comm_id: "world".into(),
             rank: cfg.rank,
@@ -341,7 +329,7 @@ impl Communicator {
             host_id,
             timeout: cfg.timeout,
             local_size_hint: cfg.local_world_size,
-            algo,
+            tuning,
             transport: cfg.transport,
             token,
             nsocks: cfg.nsocks,
@@ -370,7 +358,7 @@ impl Communicator {
             host_id,
             timeout,
             local_size_hint,
-            algo,
+            tuning,
             transport,
             token,
             nsocks,
@@ -424,7 +412,7 @@ impl Communicator {
             .len()
             .max(local_size_hint.unwrap_or(0).min(size))
             .max(1);
-        let policy = WaitPolicy::for_local_ranks(local_size);
+        let policy = WaitPolicy::for_local_ranks(local_size, tuning.spin_us);
         let mut links = TcpLinks::new(
             rank,
             listener,
@@ -438,12 +426,14 @@ impl Communicator {
         let (listen_addr, link_counters) = (links.listen_addr(), links.counters());
         let aborted = Arc::new(AtomicBool::new(false));
         links.set_abort_flag(aborted.clone());
+        links.set_socket_buf(tuning.socket_buf);
         let shm = if transport != TransportKind::Tcp && size > 1 && local.len() == size {
             setup_shm(
                 &mut store,
                 &comm_id,
                 rank,
                 size,
+                tuning.shm_chunk,
                 policy,
                 aborted.clone(),
                 timeout,
@@ -465,6 +455,7 @@ impl Communicator {
                 &comm_id,
                 rank,
                 &local,
+                tuning.shm_p2p_bytes,
                 timeout,
                 transport == TransportKind::Shm,
             )?
@@ -503,7 +494,7 @@ impl Communicator {
                 links,
                 seq: 0,
                 poisoned: None,
-                algo,
+                algo: tuning.algo.clone(),
                 logged: [0; 16],
                 splits: 0,
                 groups: HashMap::new(),
@@ -522,8 +513,8 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
             hier_layout,
-            corrupt_results: std::env::var("HCOMM_FAULT_INJECT")
-                .is_ok_and(|v| v.trim() == "corrupt-one"),
+            corrupt_results: tuning.corrupt_one,
+            tuning,
             token,
             listen_addr,
             link_counters,
@@ -1386,7 +1377,9 @@ impl Communicator {
             let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             inner.links.listen_ip()
         };
-        let algo = self
+        // The parent's knobs, with the algorithms it forces now.
+        let mut tuning = self.tuning.clone();
+        tuning.algo = self
             .inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1403,7 +1396,7 @@ impl Communicator {
             host_id: self.host_id.clone(),
             timeout,
             local_size_hint: None,
-            algo,
+            tuning,
             transport: self.transport,
             token: self.token.clone(),
             nsocks: self.nsocks,
@@ -1751,12 +1744,13 @@ fn setup_shm(
     comm_id: &str,
     rank: usize,
     size: usize,
+    chunk: usize,
     policy: WaitPolicy,
     abort: Arc<AtomicBool>,
     timeout: Duration,
     strict: bool,
 ) -> Result<Option<crate::shm::ShmGroup>> {
-    use crate::shm::{chunk_from_env, Layout, ShmGroup};
+    use crate::shm::{Layout, ShmGroup};
     let serr =
         |e: crate::bootstrap::store::StoreError| Error::Config(format!("shared memory setup: {e}"));
     let shared = share_segment(
@@ -1767,10 +1761,7 @@ fn setup_shm(
         Instant::now() + timeout,
         &serr,
         || {
-            let layout = Layout {
-                size,
-                chunk: chunk_from_env(),
-            };
+            let layout = Layout { size, chunk };
             let name = segment_name("", comm_id);
             match ShmGroup::create(&name, layout, 0, policy, abort.clone()) {
                 Ok(g) => Ok((g, format!("{name} {}", layout.chunk))),
@@ -1837,6 +1828,7 @@ fn setup_p2p_shm(
     comm_id: &str,
     rank: usize,
     local: &[usize],
+    ring_bytes: Option<usize>,
     timeout: Duration,
     strict: bool,
 ) -> Result<Option<crate::shm::p2p::P2pShm>> {
@@ -1847,7 +1839,7 @@ fn setup_p2p_shm(
     let leader = local[0];
     let me = local.iter().position(|&r| r == rank).expect("a local rank");
     let ranks = local.len();
-    let ring = ring_bytes_for(ranks);
+    let ring = ring_bytes_for(ranks, ring_bytes);
     let shared = share_segment(
         store,
         &format!("{comm_id}/p2p/{leader}"),
@@ -1952,7 +1944,8 @@ struct BuildArgs {
     host_id: String,
     timeout: Duration,
     local_size_hint: Option<usize>,
-    algo: HashMap<Collective, Algo>,
+    /// The tuning knobs (read once, when the world communicator is built).
+    tuning: Tuning,
     transport: TransportKind,
     token: Option<JobToken>,
     nsocks: usize,

@@ -37,7 +37,7 @@ const LINE: usize = 128;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
 /// Default bytes of the vector handled per pipeline step (`HCOMM_SHM_CHUNK` overrides).
-pub const DEFAULT_CHUNK: usize = 512 << 10;
+pub use crate::config::knobs::DEFAULT_SHM_CHUNK as DEFAULT_CHUNK;
 
 // Offsets inside a rank's control line.
 const CTR: usize = 0;
@@ -94,17 +94,6 @@ impl Layout {
 }
 
 pub use crate::config::SHM_CHUNK_RANGE as CHUNK_RANGE;
-
-/// The configured step size: `HCOMM_SHM_CHUNK` (bytes) or [`DEFAULT_CHUNK`], rounded to 4 KiB.
-pub fn chunk_from_env() -> usize {
-    let c = std::env::var("HCOMM_SHM_CHUNK")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(DEFAULT_CHUNK);
-    c.clamp(*CHUNK_RANGE.start(), *CHUNK_RANGE.end())
-        .div_ceil(4096)
-        * 4096
-}
 
 fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0

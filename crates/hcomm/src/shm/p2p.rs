@@ -39,14 +39,12 @@ pub const DEFAULT_RINGS_BUDGET: usize = 64 << 20;
 
 pub use crate::config::SHM_P2P_BYTES_RANGE as RING_BYTES_RANGE;
 
-/// The ring size for `ranks` ranks on a host: `HCOMM_SHM_P2P_BYTES` (0 turns point-to-point
-/// over shared memory off; other values are clamped to 4 KiB ..= 64 MiB and rounded up to
+/// The ring size for `ranks` ranks on a host: `set` (`HCOMM_SHM_P2P_BYTES`, as
+/// [`Tuning::shm_p2p_bytes`](crate::config::Tuning::shm_p2p_bytes) holds it: 0 turns
+/// point-to-point over shared memory off, other values are 4 KiB ..= 64 MiB, rounded up to
 /// 4 KiB), else [`DEFAULT_RING_BYTES`], made smaller when the host's rings would exceed
 /// [`DEFAULT_RINGS_BUDGET`].
-pub fn ring_bytes_for(ranks: usize) -> usize {
-    let set = std::env::var("HCOMM_SHM_P2P_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok());
+pub fn ring_bytes_for(ranks: usize, set: Option<usize>) -> usize {
     match set {
         Some(0) => 0,
         Some(v) => {
@@ -344,17 +342,18 @@ mod tests {
 
     #[test]
     fn rings_shrink_to_the_budget_with_many_ranks() {
-        if std::env::var_os("HCOMM_SHM_P2P_BYTES").is_some() {
-            return; // the setting wins; nothing to check here
-        }
-        assert_eq!(ring_bytes_for(2), DEFAULT_RING_BYTES);
-        assert_eq!(ring_bytes_for(16), DEFAULT_RING_BYTES); // 240 rings: 60 MiB
-        assert_eq!(ring_bytes_for(32), 64 << 10); // 992 rings: 62 MiB
-        assert_eq!(ring_bytes_for(64), 16 << 10);
-        assert_eq!(ring_bytes_for(512), 4 << 10); // the floor
+        assert_eq!(ring_bytes_for(2, None), DEFAULT_RING_BYTES);
+        // A setting wins, whatever the number of ranks.
+        assert_eq!(ring_bytes_for(512, Some(0)), 0);
+        assert_eq!(ring_bytes_for(512, Some(8192)), 8192);
+        assert_eq!(ring_bytes_for(2, Some(5000)), 8192);
+        assert_eq!(ring_bytes_for(16, None), DEFAULT_RING_BYTES); // 240 rings: 60 MiB
+        assert_eq!(ring_bytes_for(32, None), 64 << 10); // 992 rings: 62 MiB
+        assert_eq!(ring_bytes_for(64, None), 16 << 10);
+        assert_eq!(ring_bytes_for(512, None), 4 << 10); // the floor
         for n in [17, 24, 40, 100, 128] {
             assert!(
-                n * (n - 1) * ring_bytes_for(n) <= DEFAULT_RINGS_BUDGET,
+                n * (n - 1) * ring_bytes_for(n, None) <= DEFAULT_RINGS_BUDGET,
                 "{n} ranks"
             );
         }

@@ -156,20 +156,10 @@ struct Inbound {
     discard: usize,
 }
 
-/// Socket buffer sizes (`HCOMM_SOCKET_BUF`, bytes; 0 keeps the kernel's autotuning).
-fn socket_buf() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("HCOMM_SOCKET_BUF")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    })
-}
-
 impl Inbound {
-    fn new(sock: Socket) -> Inbound {
-        let b = socket_buf();
+    /// A link's socket, with send and receive buffers of `b` bytes (`HCOMM_SOCKET_BUF`; 0
+    /// keeps the kernel's autotuning).
+    fn new(sock: Socket, b: usize) -> Inbound {
         if b > 0 {
             let _ = sock.set_send_buffer_size(b);
             let _ = sock.set_recv_buffer_size(b);
@@ -487,6 +477,8 @@ pub struct TcpLinks {
     /// When each peer was last asked (a dropped ask is repeated after [`ASK_AGAIN`]).
     asked_at: Vec<Option<Instant>>,
     policy: WaitPolicy,
+    /// Send and receive buffer size of the sockets (`HCOMM_SOCKET_BUF`; 0: the kernel's).
+    socket_buf: usize,
     /// How long recent waits lasted: spin only while that pays.
     waits: WaitHistory,
     /// Reused staging buffers for reducing receives.
@@ -592,6 +584,7 @@ impl TcpLinks {
             asking: (0..n).map(|_| None).collect(),
             asked_at: vec![None; n],
             policy,
+            socket_buf: 0,
             waits: WaitHistory::default(),
             staging_pool: Vec::new(),
             abort: Arc::new(AtomicBool::new(false)),
@@ -676,6 +669,14 @@ impl TcpLinks {
         self.abort = flag;
     }
 
+    /// Give the sockets of links made from now on send and receive buffers of `bytes`
+    /// (`HCOMM_SOCKET_BUF`, [`Tuning::socket_buf`](crate::config::Tuning::socket_buf)); 0, the
+    /// default, keeps the kernel's autotuning. Links are made on first use, so call it before
+    /// the first operation.
+    pub fn set_socket_buf(&mut self, bytes: usize) {
+        self.socket_buf = bytes;
+    }
+
     /// The timeout of the operation about to run (reported in timeout errors).
     pub fn set_op_timeout(&mut self, d: Duration) {
         self.op_timeout = d;
@@ -742,8 +743,12 @@ impl TcpLinks {
             // We adopted the higher rank's ask: it is opening the other sockets.
             return Ok(false);
         }
+        let buf = self.socket_buf;
         let socks = (0..self.me.nsocks)
-            .map(|stripe| self.dial(ctx, peer, stripe, deadline).map(Inbound::new))
+            .map(|stripe| {
+                self.dial(ctx, peer, stripe, deadline)
+                    .map(|s| Inbound::new(s, buf))
+            })
             .collect::<Result<Vec<_>>>()?;
         self.inb[peer] = Some(socks);
         Ok(true)
@@ -858,9 +863,11 @@ impl TcpLinks {
                 Ok(1) if b[0] == ADOPT_ACK => {
                     let s = self.asking[peer].take().expect("asking");
                     if self.inb[peer].is_none() {
-                        let mut socks = vec![Inbound::new(s)];
+                        let buf = self.socket_buf;
+                        let mut socks = vec![Inbound::new(s, buf)];
                         for stripe in 1..self.me.nsocks {
-                            socks.push(Inbound::new(self.dial(ctx, peer, stripe, deadline)?));
+                            let s = self.dial(ctx, peer, stripe, deadline)?;
+                            socks.push(Inbound::new(s, buf));
                         }
                         self.inb[peer] = Some(socks);
                     }
@@ -907,9 +914,10 @@ impl TcpLinks {
                 forming[stripe] = Some(sock);
             }
             if forming.iter().all(Option::is_some) {
+                let buf = self.socket_buf;
                 let socks = forming
                     .iter_mut()
-                    .map(|s| Inbound::new(s.take().expect("all present")))
+                    .map(|s| Inbound::new(s.take().expect("all present"), buf))
                     .collect();
                 self.inb[peer] = Some(socks);
             }

@@ -13,18 +13,16 @@ pub struct WaitPolicy {
 }
 
 impl WaitPolicy {
-    /// Choose a policy from the number of ranks on this host. `HCOMM_SPIN_US` overrides the spin
-    /// time; ranks outnumbering the cores yield instead of spinning.
-    pub fn for_local_ranks(local_ranks: usize) -> WaitPolicy {
+    /// Choose a policy from the number of ranks on this host. `spin_us` (`HCOMM_SPIN_US`,
+    /// [`Tuning::spin_us`](crate::config::Tuning::spin_us)) overrides the spin time; ranks
+    /// outnumbering the cores yield instead of spinning.
+    pub fn for_local_ranks(local_ranks: usize, spin_us: Option<u64>) -> WaitPolicy {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
         let oversubscribed = local_ranks > cores;
         let default_us = if oversubscribed { 20 } else { 50 };
-        let spin_us = std::env::var("HCOMM_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(default_us);
+        let spin_us = spin_us.unwrap_or(default_us);
         WaitPolicy {
             spin: Duration::from_micros(spin_us),
             yield_cpu: oversubscribed,

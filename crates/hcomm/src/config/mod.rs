@@ -9,14 +9,18 @@
 //! * a **rank table** ([`BootstrapConfig::from_rank_table`]): a JSON file
 //!   (`hcom_config.json`, see [`RankTable`]) that lists every rank of the job.
 //!
+//! The tuning knobs (`HCOMM_SPIN_US`, `HCOMM_SHM_CHUNK`, ...) are declared in [`knobs`] and
+//! read into a [`Tuning`]; the variables of the bootstrap are [`BOOTSTRAP_VARIABLES`].
+//!
 //! Every problem is reported as a [`ConfigError`] whose message names the
 //! variable or field at fault. `docs/configuration.md` is the user-facing
 //! reference for all of this.
 
+pub mod knobs;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
-use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -24,6 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::JobToken;
+pub use knobs::{Tuning, SHM_CHUNK_RANGE, SHM_P2P_BYTES_RANGE};
 
 /// Which transport hcomm uses between ranks (`HCOMM_TRANSPORT`, or the rank
 /// table's `transport` field).
@@ -268,6 +273,19 @@ pub enum ConfigError {
         /// What the JSON parser reported.
         message: String,
     },
+    /// A tuning knob's value is bad ([`knobs`]); the message names the variable, its value
+    /// and what it accepts.
+    #[error("{message}")]
+    Tuning {
+        /// What is wrong.
+        message: String,
+    },
+    /// `HCOMM_RANK_TABLE` is set, but none of the variables that give this process's rank.
+    #[error(
+        "HCOMM_RANK_TABLE is set but no rank variable ({}) is",
+        rank_variables().collect::<Vec<_>>().join(", ")
+    )]
+    NoRankForTable,
     /// The rank table parsed but is inconsistent; the message starts with
     /// the field at fault (such as `ranks[2].rank`) where there is one.
     #[error("rank table{}: {message}", path_suffix(.path))]
@@ -355,11 +373,70 @@ const LAUNCHERS: [Launcher; 5] = [
     },
 ];
 
+/// Every `HCOMM_*` variable of the bootstrap (where the job is and how to reach it), besides
+/// the tuning knobs of [`knobs::KNOBS`].
+pub const BOOTSTRAP_VARIABLES: [&str; 14] = [
+    "HCOMM_RANK",
+    "HCOMM_WORLD_SIZE",
+    "HCOMM_LOCAL_RANK",
+    "HCOMM_LOCAL_WORLD_SIZE",
+    "HCOMM_HOST_ID",
+    "HCOMM_MASTER_ADDR",
+    "HCOMM_MASTER_PORT",
+    "HCOMM_TIMEOUT",
+    "HCOMM_TRANSPORT",
+    "HCOMM_SOCKET_IFNAME",
+    "HCOMM_JOB_TOKEN",
+    "HCOMM_TOKEN_FILE",
+    "HCOMM_NSOCKS",
+    "HCOMM_RANK_TABLE",
+];
+
+/// `HCOMM_*` variables that hcomm reads outside this module: `HCOMM_DEBUG`, the log level.
+pub const OTHER_VARIABLES: [&str; 1] = ["HCOMM_DEBUG"];
+
+/// The variables that may give this process's rank, in order of precedence.
+fn rank_variables() -> impl Iterator<Item = &'static str> {
+    LAUNCHERS.iter().map(|l| l.rank)
+}
+
+/// This process's rank in a job described by a rank table (`HCOMM_RANK_TABLE`): the first of
+/// `HCOMM_RANK`, `RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK` and `SLURM_PROCID` that is set, in
+/// the variables `get` supplies.
+pub fn rank_for_table(get: impl Fn(&str) -> Option<String>) -> Result<usize, ConfigError> {
+    let (var, value) = rank_variables()
+        .find_map(|v| get(v).map(|value| (v, value)))
+        .ok_or(ConfigError::NoRankForTable)?;
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| ConfigError::InvalidInteger {
+            var: var.into(),
+            value,
+        })
+}
+
+/// With `HCOMM_RANK_TABLE=path` in the environment, the table's path and this process's rank
+/// ([`rank_for_table`]), as [`Communicator::from_env`](crate::Communicator::from_env) joins
+/// a job; `None` without it.
+pub fn rank_table_from_env() -> Result<Option<(PathBuf, usize)>, ConfigError> {
+    match std::env::var_os("HCOMM_RANK_TABLE") {
+        Some(table) => Ok(Some((PathBuf::from(table), rank_for_table(env_var)?))),
+        None => Ok(None),
+    }
+}
+
 /// Variable lookup; values are trimmed and empty values count as unset.
 struct Vars<F>(F);
 
 impl<F: Fn(&str) -> Option<String>> Vars<F> {
     fn get(&self, name: &str) -> Option<String> {
+        debug_assert!(
+            !name.starts_with("HCOMM_")
+                || BOOTSTRAP_VARIABLES.contains(&name)
+                || knobs::knob(name).is_some(),
+            "{name} is neither in BOOTSTRAP_VARIABLES nor a knob"
+        );
         (self.0)(name)
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
@@ -706,60 +783,10 @@ impl BootstrapConfig {
     }
 }
 
-/// The step sizes `HCOMM_SHM_CHUNK` may set (bytes).
-pub const SHM_CHUNK_RANGE: RangeInclusive<usize> = (16 << 10)..=(64 << 20);
-
-/// The ring sizes `HCOMM_SHM_P2P_BYTES` may set (bytes; 0 also, for none).
-pub const SHM_P2P_BYTES_RANGE: RangeInclusive<usize> = (4 << 10)..=(64 << 20);
-
 impl From<ConfigError> for crate::base::error::Error {
     fn from(e: ConfigError) -> Self {
         crate::base::error::Error::Config(e.to_string())
     }
-}
-
-/// Checks the tuning and test variables, which the library reads where it uses them
-/// (`HCOMM_SPIN_US`, `HCOMM_SHM_CHUNK`, `HCOMM_SHM_P2P_BYTES`, `HCOMM_SOCKET_BUF`,
-/// `HCOMM_FAULT_INJECT`), so that a bad value fails the communicator's creation with a
-/// message naming it instead of being ignored. Empty counts as unset.
-pub fn check_tuning_variables() -> Result<(), String> {
-    check_tuning(&|name| env_var(name))
-}
-
-fn check_tuning(get: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
-    // (variable, what it counts, the accepted range, whether 0 is also accepted)
-    let numbers: [(&str, &str, RangeInclusive<usize>, bool); 4] = [
-        ("HCOMM_SPIN_US", "microseconds", 0..=1_000_000, true),
-        ("HCOMM_SHM_CHUNK", "bytes", SHM_CHUNK_RANGE, false),
-        ("HCOMM_SHM_P2P_BYTES", "bytes", SHM_P2P_BYTES_RANGE, true),
-        ("HCOMM_SOCKET_BUF", "bytes", (4 << 10)..=(1 << 30), true),
-    ];
-    for (var, unit, range, zero) in numbers {
-        let (lo, hi) = (*range.start(), *range.end());
-        let Some(value) = get(var)
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty())
-        else {
-            continue;
-        };
-        let zero_too = if zero && lo > 0 { " or 0" } else { "" };
-        let n = parse_uint(var, &value).map_err(|_| {
-            format!("{var}={value}: expected a whole number of {unit}, {lo} to {hi}{zero_too}")
-        })?;
-        if !(range.contains(&n) || (zero && n == 0)) {
-            return Err(format!(
-                "{var}={value}: out of range; expected {lo} to {hi} {unit}{zero_too}"
-            ));
-        }
-    }
-    if let Some(v) = get("HCOMM_FAULT_INJECT").filter(|v| !v.trim().is_empty()) {
-        if v.trim() != "corrupt-one" {
-            return Err(format!(
-                "HCOMM_FAULT_INJECT={v}: the only fault is corrupt-one (the last rank flips a bit of every collective result)"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Parses a duration: a plain number of seconds (`"30"`, `"2.5"`) or a
@@ -1131,74 +1158,6 @@ mod tests {
         BootstrapConfig::from_vars(|k| map.get(k).cloned())
     }
 
-    fn tuning(pairs: &[(&str, &str)]) -> Result<(), String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        check_tuning(&|k| map.get(k).cloned())
-    }
-
-    #[test]
-    fn tuning_variables_are_checked_and_bad_values_named() {
-        for good in [
-            vec![],
-            vec![("HCOMM_SPIN_US", "0")],
-            vec![("HCOMM_SPIN_US", " 50 ")],
-            vec![("HCOMM_SHM_CHUNK", "16384")],
-            vec![("HCOMM_SHM_CHUNK", "")],
-            vec![("HCOMM_SHM_P2P_BYTES", "0")],
-            vec![("HCOMM_SHM_P2P_BYTES", "262144")],
-            vec![("HCOMM_SOCKET_BUF", "0")],
-            vec![("HCOMM_SOCKET_BUF", "4194304")],
-            vec![("HCOMM_FAULT_INJECT", "corrupt-one")],
-        ] {
-            assert_eq!(tuning(&good), Ok(()), "{good:?}");
-        }
-        for (var, value, want) in [
-            (
-                "HCOMM_SPIN_US",
-                "xyz",
-                "HCOMM_SPIN_US=xyz: expected a whole number of microseconds",
-            ),
-            ("HCOMM_SPIN_US", "-1", "HCOMM_SPIN_US=-1: expected"),
-            (
-                "HCOMM_SPIN_US",
-                "2000000",
-                "HCOMM_SPIN_US=2000000: out of range",
-            ),
-            (
-                "HCOMM_SHM_CHUNK",
-                "xyz",
-                "HCOMM_SHM_CHUNK=xyz: expected a whole number of bytes, 16384 to 67108864",
-            ),
-            (
-                "HCOMM_SHM_CHUNK",
-                "0",
-                "HCOMM_SHM_CHUNK=0: out of range; expected 16384 to 67108864 bytes",
-            ),
-            (
-                "HCOMM_SHM_P2P_BYTES",
-                "abc",
-                "HCOMM_SHM_P2P_BYTES=abc: expected a whole number of bytes, 4096 to 67108864 or 0",
-            ),
-            (
-                "HCOMM_SHM_P2P_BYTES",
-                "100",
-                "HCOMM_SHM_P2P_BYTES=100: out of range",
-            ),
-            ("HCOMM_SOCKET_BUF", "abc", "HCOMM_SOCKET_BUF=abc: expected"),
-            (
-                "HCOMM_FAULT_INJECT",
-                "bogus",
-                "HCOMM_FAULT_INJECT=bogus: the only fault is corrupt-one",
-            ),
-        ] {
-            let e = tuning(&[(var, value)]).expect_err(value);
-            assert!(e.starts_with(want), "{var}={value}: {e}");
-        }
-    }
-
     fn ok(pairs: &[(&str, &str)]) -> BootstrapConfig {
         from(pairs).unwrap_or_else(|e| panic!("unexpected error: {e}"))
     }
@@ -1217,6 +1176,36 @@ mod tests {
     }
 
     // ---- environment sources ----
+
+    #[test]
+    fn rank_for_a_rank_table() {
+        let get = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(
+            rank_for_table(get(&[("RANK", " 3 "), ("SLURM_PROCID", "1")])).unwrap(),
+            3
+        );
+        assert_eq!(
+            rank_for_table(get(&[("HCOMM_RANK", "2"), ("RANK", "3")])).unwrap(),
+            2
+        );
+        assert_eq!(
+            rank_for_table(get(&[("PMI_RANK", "x")]))
+                .unwrap_err()
+                .to_string(),
+            "PMI_RANK=x is not a non-negative integer"
+        );
+        assert_eq!(
+            rank_for_table(get(&[])).unwrap_err().to_string(),
+            "HCOMM_RANK_TABLE is set but no rank variable (HCOMM_RANK, RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID) is"
+        );
+    }
 
     #[test]
     fn hcomm_vars() {
