@@ -3,9 +3,9 @@
 use clap::{Args, Parser, Subcommand};
 use hcomm::{Algo, Collective, Communicator, DType, ReduceOp};
 use hcomm_cli::bench::{self, BenchOp, BenchOpts};
-use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
 use hcomm_cli::workers::{args_without, in_job, spawn_self};
 use hcomm_cli::{check, demo};
+use hcomm_launch::{launch, LaunchError, LaunchSpec};
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;

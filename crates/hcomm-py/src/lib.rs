@@ -955,7 +955,7 @@ fn launch(
     prefix_output: bool,
     grace_ms: u64,
 ) -> PyResult<i32> {
-    use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
+    use hcomm_launch::{launch, LaunchError, LaunchSpec};
     let mut spec = LaunchSpec::new(nprocs, program, args);
     spec.nnodes = nnodes;
     spec.node_rank = node_rank;
