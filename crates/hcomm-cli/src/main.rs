@@ -923,6 +923,7 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    hcomm_launch::init_logging();
     // Accept MPI/nccl-tests style `-np N` as `--np N`.
     let args: Vec<OsString> = std::env::args_os()
         .map(|a| {

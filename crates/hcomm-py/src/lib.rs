@@ -1006,6 +1006,7 @@ fn free_master_port(host: &str) -> PyResult<u16> {
 /// The Rust extension of the `hcomm` package.
 #[pymodule]
 fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    hcomm_launch::init_logging();
     m.add_class::<PyComm>()?;
     m.add_class::<PyConnection>()?;
     m.add_class::<PySharedMemory>()?;
