@@ -7,7 +7,10 @@ pub mod compression_bench;
 pub mod demo;
 pub mod doctor;
 pub mod fusion_bench;
-pub mod launch;
 pub mod plot;
 pub mod simulate;
 pub mod workers;
+
+/// The launcher, which lives in `hcomm-launch` (shared with the Python extension); kept here
+/// under its old path.
+pub use hcomm_launch::launch;

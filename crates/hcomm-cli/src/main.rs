@@ -3,9 +3,9 @@
 use clap::{Args, Parser, Subcommand};
 use hcomm::{Algo, Collective, Communicator, DType, ReduceOp};
 use hcomm_cli::bench::{self, BenchOp, BenchOpts};
-use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
 use hcomm_cli::workers::{args_without, in_job, spawn_self};
 use hcomm_cli::{check, demo};
+use hcomm_launch::{launch, LaunchError, LaunchSpec};
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -923,6 +923,7 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    hcomm_launch::init_logging();
     // Accept MPI/nccl-tests style `-np N` as `--np N`.
     let args: Vec<OsString> = std::env::args_os()
         .map(|a| {

@@ -1,7 +1,7 @@
 //! Running a subcommand on N local ranks: `hcomm demo -n 4` re-executes itself under the
 //! launcher (without `-n`), and each copy joins the job from the environment.
 
-use crate::launch::{launch, LaunchSpec};
+use hcomm_launch::{launch, LaunchSpec};
 use std::ffi::OsString;
 
 /// True when this process is one rank of a job (the launcher or another launcher set the

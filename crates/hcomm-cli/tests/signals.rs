@@ -1,6 +1,7 @@
 //! Signals sent to the launcher, through the `hcomm run` binary (a separate
 //! process, so that the signals do not reach other tests' launches).
 
+#[path = "../../hcomm-launch/tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;

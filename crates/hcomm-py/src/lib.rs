@@ -231,14 +231,18 @@ impl PyComm {
         let r = buffer(OP, out_name(send), recv, true)?;
         let s = input_of(OP, opt_buffer(OP, "tensor", send, false)?, &r)?;
         same_dtype(OP, s.as_ref(), &r)?;
-        // SAFETY (every byte view made from a `Buf` in the jobs below): the Python objects
-        // behind the views outlive the job (borrowed by the call, or kept by the Work), and
-        // input and output do not overlap.
+        // No byte view made from a `Buf` in the jobs of this impl outlives the object behind
+        // it: the job runs inside this call (which borrows the objects) or, with `async_op`, on
+        // the engine while the Work keeps the objects (`keep`) until the job has ended; and the
+        // caller must not touch them before `wait()` returns (docs/python.md).
         self.dispatch(
             py,
             OP,
             async_op,
             keep(&[send, Some(recv)]),
+            // SAFETY: the objects outlive the job (see above); `input_of` made `s` None when
+            // it is the same memory as `r` and refused a partial overlap, so the read view
+            // and the written view are disjoint.
             move |c| unsafe {
                 c.all_reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op)
             },
@@ -272,6 +276,8 @@ impl PyComm {
             OP,
             async_op,
             keep(&[send, Some(recv)]),
+            // SAFETY: the objects outlive the job (see all_reduce); `input_of` made `s` None
+            // when in place and refused a partial overlap, so the two views are disjoint.
             move |c| unsafe {
                 c.all_gather_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype)
             },
@@ -307,6 +313,8 @@ impl PyComm {
             OP,
             async_op,
             keep(&[send, Some(recv)]),
+            // SAFETY: the objects outlive the job (see all_reduce); `input_of` made `s` None
+            // when in place and refused a partial overlap, so the two views are disjoint.
             move |c| unsafe {
                 c.reduce_scatter_v_bytes(s.map(|s| s.bytes()), r.bytes_mut(), &counts, r.dtype, op)
             },
@@ -324,6 +332,7 @@ impl PyComm {
     ) -> PyResult<Option<PyWork>> {
         const OP: &str = "broadcast";
         let b = buffer(OP, "tensor", buf, true)?;
+        // SAFETY: the object outlives the job (see all_reduce), and this is its only view.
         self.dispatch(py, OP, async_op, keep(&[Some(buf)]), move |c| unsafe {
             c.broadcast_bytes(b.bytes_mut(), b.dtype, root)
         })
@@ -352,6 +361,9 @@ impl PyComm {
             }
         };
         same_dtype(OP, s.as_ref(), &r)?;
+        // SAFETY: the objects outlive the job (see all_reduce). With an output, `input_of`
+        // made `s` None when in place and refused a partial overlap; without one, `r` is
+        // empty and views no memory. Either way the two views are disjoint.
         self.dispatch(py, OP, async_op, keep(&[send, recv]), move |c| unsafe {
             c.reduce_bytes(s.map(|s| s.bytes()), r.bytes_mut(), r.dtype, op, root)
         })
@@ -379,6 +391,8 @@ impl PyComm {
             OP,
             async_op,
             keep(&[Some(send), recv]),
+            // SAFETY: the objects outlive the job (see all_reduce), and `separate` refused
+            // overlapping input and output (an absent output is empty and views no memory).
             move |c| unsafe { c.gather_v_bytes(s.bytes(), r.bytes_mut(), &counts, s.dtype, root) },
         )
     }
@@ -405,6 +419,8 @@ impl PyComm {
             OP,
             async_op,
             keep(&[send, Some(recv)]),
+            // SAFETY: the objects outlive the job (see all_reduce), and `separate` refused
+            // overlapping input and output (an absent input is empty and views no memory).
             move |c| unsafe { c.scatter_v_bytes(s.bytes(), r.bytes_mut(), &counts, r.dtype, root) },
         )
     }
@@ -439,6 +455,8 @@ impl PyComm {
             OP,
             async_op,
             keep(&[Some(send), Some(recv)]),
+            // SAFETY: the objects outlive the job (see all_reduce), and `separate` refused
+            // overlapping input and output.
             move |c| unsafe { c.all_to_all_v_bytes(s.bytes(), &sc, r.bytes_mut(), &rc, r.dtype) },
         )
     }
@@ -460,6 +478,7 @@ impl PyComm {
         async_op: bool,
     ) -> PyResult<Option<PyWork>> {
         let b = buffer("send", "tensor", buf, false)?;
+        // SAFETY: the object outlives the job (see all_reduce), and it is only read.
         self.dispatch(py, "send", async_op, keep(&[Some(buf)]), move |c| unsafe {
             c.send_bytes(peer, tag, b.bytes())
         })
@@ -476,6 +495,7 @@ impl PyComm {
         async_op: bool,
     ) -> PyResult<Option<PyWork>> {
         let b = buffer("recv", "tensor", buf, true)?;
+        // SAFETY: the object outlives the job (see all_reduce), and this is its only view.
         self.dispatch(py, "recv", async_op, keep(&[Some(buf)]), move |c| unsafe {
             c.recv_bytes(peer, tag, b.bytes_mut())
         })
@@ -799,8 +819,8 @@ impl PyConnection {
     /// Send `buf` on the connection.
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("send", "tensor", buf, false)?;
-        // SAFETY: the Python object is borrowed for this blocking call, and only read.
         blocking(py, move || {
+            // SAFETY: the Python object is borrowed for this blocking call, and only read.
             self.with(|c| unsafe { c.send::<u8>(b.bytes()) })
         })
     }
@@ -808,9 +828,9 @@ impl PyConnection {
     /// Receive into `buf` from the connection (sizes must match).
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("recv", "tensor", buf, true)?;
-        // SAFETY: the Python object is borrowed for this blocking call, and only this view
-        // writes to it meanwhile.
         blocking(py, move || {
+            // SAFETY: the Python object is borrowed for this blocking call, and this is its
+            // only view meanwhile.
             self.with(|c| unsafe { c.recv::<u8>(b.bytes_mut()) })
         })
     }
@@ -955,7 +975,7 @@ fn launch(
     prefix_output: bool,
     grace_ms: u64,
 ) -> PyResult<i32> {
-    use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
+    use hcomm_launch::{launch, LaunchError, LaunchSpec};
     let mut spec = LaunchSpec::new(nprocs, program, args);
     spec.nnodes = nnodes;
     spec.node_rank = node_rank;
@@ -1006,6 +1026,7 @@ fn free_master_port(host: &str) -> PyResult<u16> {
 /// The Rust extension of the `hcomm` package.
 #[pymodule]
 fn _hcomm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    hcomm_launch::init_logging();
     m.add_class::<PyComm>()?;
     m.add_class::<PyConnection>()?;
     m.add_class::<PySharedMemory>()?;

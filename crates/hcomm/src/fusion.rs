@@ -580,10 +580,11 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             let t = self.tensors[bucket.members[0]]
                 .as_mut()
                 .expect("a tensor is in one bucket only");
+            prepare_bucket(&mut comp, t.bytes, encode_here);
             // SAFETY: the tensor stays in `self.tensors` (borrowed for 'env, which outlives
             // the step) and is not touched again until `finish` has waited for this work;
             // `Fusion::step` always calls `finish`, and the bucketer cannot leave the step.
-            prepare_bucket(&mut comp, t.bytes, encode_here);
+            // The LentBuf moves into the job, its only user.
             let mut lent = unsafe { LentBuf::new(t.bytes) };
             self.fusion.comm.run_async("all_reduce", move |c| {
                 reduce(c, lent.as_mut(), &mut comp)?;

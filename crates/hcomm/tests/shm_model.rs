@@ -49,14 +49,25 @@ fn double_buffered_slots_are_never_overwritten_while_read() {
                 let peer = 1 - me;
                 for call in 0..CALLS {
                     let q = (call % 2) as usize;
-                    // SAFETY (both accesses): loom's cell pointers are valid; a racing access is
-                    // exactly what loom reports, which is what this model checks.
-                    slots[me][q].with_mut(|p| unsafe { *p = 100 * me as u32 + call });
+                    slots[me][q].with_mut(|p| {
+                        // SAFETY: `p` points at the cell's value for the closure's duration.
+                        // Only this rank writes slots[me]; the peer's last read of this slot
+                        // (two calls ago) came before its counter store that this rank waited
+                        // for in the previous call. loom checks that ordering before running
+                        // the closure and fails the model instead of racing.
+                        unsafe { *p = 100 * me as u32 + call }
+                    });
                     counters[me].store(call + 1, Ordering::Release);
                     while counters[peer].load(Ordering::Acquire) < call + 1 {
                         loom::thread::yield_now();
                     }
-                    let got = slots[peer][q].with(|p| unsafe { *p });
+                    let got = slots[peer][q].with(|p| {
+                        // SAFETY: `p` points at the cell's value for the closure's duration.
+                        // The peer wrote it before its Release store of the counter this
+                        // rank's Acquire load saw, and rewrites it only after this rank's next
+                        // counter store; loom checks both orderings before the read.
+                        unsafe { *p }
+                    });
                     assert_eq!(
                         got,
                         100 * peer as u32 + call,
@@ -95,15 +106,22 @@ impl Bytes for LoomBytes {
         self.0.len()
     }
     unsafe fn copy_in(&self, at: usize, src: &[u8]) {
-        // SAFETY (here and in copy_out): loom's cell pointers are valid, and loom reports any
-        // access racing with another, which is what the model checks.
         for (i, &b) in src.iter().enumerate() {
-            self.0[at + i].with_mut(|p| unsafe { *p = b });
+            self.0[at + i].with_mut(|p| {
+                // SAFETY: `p` points at the cell's value for the closure's duration; the
+                // caller (the ring's push) owns these bytes by the ring protocol, and loom
+                // checks that no unordered access to the cell exists before running this.
+                unsafe { *p = b }
+            });
         }
     }
     unsafe fn copy_out(&self, at: usize, dst: &mut [u8]) {
         for (i, d) in dst.iter_mut().enumerate() {
-            *d = self.0[at + i].with(|p| unsafe { *p });
+            *d = self.0[at + i].with(|p| {
+                // SAFETY: as in copy_in; the caller (the ring's pop) reads only published
+                // bytes, which loom checks are ordered after their write.
+                unsafe { *p }
+            });
         }
     }
 }

@@ -238,21 +238,6 @@ fn store_connect_error(prefix: &str, e: StoreError) -> Error {
     }
 }
 
-fn init_logging() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if let Ok(level) = std::env::var("HCOMM_DEBUG") {
-            let filter = tracing_subscriber::EnvFilter::try_new(format!("hcomm={level}"))
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("hcomm=info"));
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .try_init();
-        }
-    });
-}
-
 impl Communicator {
     /// Join the job described by the environment (`HCOMM_*`, torchrun, Open MPI, MPICH/PMI or
     /// Slurm variables; see `docs/configuration.md`).
@@ -275,7 +260,6 @@ impl Communicator {
     /// Join a job: rank 0 hosts the rendezvous store on the master address, every rank
     /// publishes its listening address, and the world communicator is built.
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
-        init_logging();
         let tuning = Tuning::from_env()?;
         let start = Instant::now();
         let token = cfg.token()?;

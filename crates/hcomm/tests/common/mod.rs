@@ -39,8 +39,32 @@ pub const LAUNCH_VARS: &[&str] = &[
     "SLURM_LAUNCH_NODE_IPADDR",
 ];
 
+/// True in a rank (a copy the driver started); a rank then logs as `HCOMM_DEBUG` says, as the
+/// `hcomm` tools would have it (the library installs no subscriber itself).
 pub fn is_worker() -> bool {
-    std::env::var_os("HCOMM_TEST_WORKER").is_some()
+    let worker = std::env::var_os("HCOMM_TEST_WORKER").is_some();
+    if worker {
+        init_logging();
+    }
+    worker
+}
+
+/// `HCOMM_DEBUG`'s subscriber, as `hcomm_launch::init_logging` installs it, without colours
+/// (the driver greps the output). hcomm-launch depends on this crate, so these tests cannot
+/// call it.
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(level) = std::env::var("HCOMM_DEBUG") {
+            let filter = tracing_subscriber::EnvFilter::try_new(format!("hcomm={level}"))
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("hcomm=info"));
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_ansi(false)
+                .try_init();
+        }
+    });
 }
 
 /// The environment of rank `r` of an `n`-rank job on this host whose store is on `port`.

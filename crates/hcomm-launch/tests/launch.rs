@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-use hcomm_cli::launch::{launch, LaunchError, LaunchSpec};
+use hcomm_launch::{launch, LaunchError, LaunchSpec};
 
 const LIMIT: Duration = Duration::from_secs(30);
 

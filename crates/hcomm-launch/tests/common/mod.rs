@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the launcher's tests (here, and `crates/hcomm-cli/tests/signals.rs`, which
+//! includes this file).
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -7,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use hcomm_cli::launch::{launch_with_output, LaunchError, LaunchSpec};
+use hcomm_launch::{launch_with_output, LaunchError, LaunchSpec};
 use nix::errno::Errno;
 use nix::sys::signal::kill;
 use nix::unistd::Pid;

@@ -1,0 +1,9 @@
+//! What hcomm's programs share beyond the library: the local launcher ([`launch`], behind
+//! `hcomm run` and the Python package's `hcomm.launch`) and the logging set-up
+//! ([`init_logging`]) that the `hcomm` command and the Python extension install at start.
+
+pub mod launch;
+mod logging;
+
+pub use launch::{launch, launch_with_output, LaunchError, LaunchSpec};
+pub use logging::init_logging;
