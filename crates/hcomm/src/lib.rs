@@ -30,6 +30,7 @@ pub mod shm;
 pub mod sparse;
 pub mod testing;
 pub mod transport;
+pub mod wait;
 pub mod wire;
 
 pub use base::{dtype, error, reduce};

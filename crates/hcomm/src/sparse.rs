@@ -22,6 +22,8 @@ use crate::base::error::{Error, Result};
 use crate::base::reduce::{finalize_mean, reduce_into, Order};
 use crate::comm::traffic::TrafficScope;
 use crate::comm::Communicator;
+use crate::engine::Work;
+use std::sync::Arc;
 
 const OP: &str = "sparse_all_reduce";
 
@@ -414,6 +416,22 @@ fn coalesce(indices: &[i64], values: &[u8], row_bytes: usize, dtype: DType) -> (
         }
     }
     (unique, out)
+}
+
+impl Communicator {
+    /// Non-blocking [`sparse_all_reduce`](Self::sparse_all_reduce): takes the rows, gives the
+    /// reduced rows.
+    pub fn sparse_all_reduce_async<T: Element>(
+        self: &Arc<Self>,
+        indices: Vec<i64>,
+        values: Vec<T>,
+        row_len: usize,
+        op: ReduceOp,
+    ) -> Work<SparseRows<T>> {
+        self.run_async("sparse_all_reduce", move |c| {
+            c.sparse_all_reduce(&indices, &values, row_len, op)
+        })
+    }
 }
 
 #[cfg(test)]

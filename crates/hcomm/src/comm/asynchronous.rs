@@ -66,20 +66,6 @@ impl Communicator {
         Work::new(slot, op)
     }
 
-    /// Non-blocking [`sparse_all_reduce`](Self::sparse_all_reduce): takes the rows, gives the
-    /// reduced rows.
-    pub fn sparse_all_reduce_async<T: Element>(
-        self: &Arc<Self>,
-        indices: Vec<i64>,
-        values: Vec<T>,
-        row_len: usize,
-        op: ReduceOp,
-    ) -> Work<crate::sparse::SparseRows<T>> {
-        self.run_async("sparse_all_reduce", move |c| {
-            c.sparse_all_reduce(&indices, &values, row_len, op)
-        })
-    }
-
     /// Non-blocking [`all_reduce_in_place`](Self::all_reduce_in_place).
     pub fn all_reduce_async<T, B>(self: &Arc<Self>, mut buf: B, op: ReduceOp) -> Work<B>
     where

@@ -15,7 +15,7 @@ use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
 use crate::config::{BootstrapConfig, TransportKind, Tuning};
 use crate::transport::tcp::{RecvOp, SendOp, TcpLinks, EAGER_MAX};
-use crate::transport::wait::WaitPolicy;
+use crate::wait::WaitPolicy;
 use crate::wire::collective::Algo;
 pub use crate::wire::collective::Collective;
 use crate::wire::frame::{Header, Kind};

@@ -229,7 +229,7 @@ impl Knob {
 pub struct Tuning {
     /// `HCOMM_SPIN_US`: microseconds to busy-poll before blocking; `None` for the default,
     /// which depends on whether the host's ranks outnumber its cores
-    /// ([`WaitPolicy::for_local_ranks`](crate::transport::wait::WaitPolicy::for_local_ranks)).
+    /// ([`WaitPolicy::for_local_ranks`](crate::wait::WaitPolicy::for_local_ranks)).
     pub spin_us: Option<u64>,
     /// `HCOMM_SHM_CHUNK`: bytes per pipeline step of the shared-memory collectives, rounded up
     /// to 4 KiB ([`DEFAULT_SHM_CHUNK`] when unset).

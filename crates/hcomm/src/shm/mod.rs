@@ -20,7 +20,7 @@ use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
 use crate::base::reduce::{finalize_mean, reduce_into, Order};
 use crate::base::segments::even_segments;
-use crate::transport::wait::WaitPolicy;
+use crate::wait::WaitPolicy;
 pub use crate::wire::collective::ShmFingerprint;
 use segment::Segment;
 use std::ops::Range;

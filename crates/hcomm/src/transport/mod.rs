@@ -21,7 +21,6 @@
 pub mod mem;
 pub mod ops;
 pub mod tcp;
-pub mod wait;
 
 use crate::base::error::{OpContext, Result};
 use ops::{RecvOp, SendOp};

@@ -509,3 +509,120 @@ pub(super) fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[Re
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(len: usize) -> Header {
+        Header {
+            kind: Kind::Collective,
+            dtype: DType::F32 as u8,
+            coll: 1,
+            redop: 1,
+            algo: 1,
+            root: u32::MAX,
+            tag: 0,
+            seq: 1,
+            count: (len / 4) as u64,
+            len: len as u64,
+        }
+    }
+
+    #[test]
+    fn stripes_cover_the_payload_in_aligned_contiguous_slices() {
+        for len in [
+            0,
+            1,
+            STRIPE_MIN,
+            2 * STRIPE_MIN - 1,
+            2 * STRIPE_MIN,
+            5 << 20,
+            (5 << 20) + 3,
+        ] {
+            for nsocks in 1..=5 {
+                let n = stripes(len, nsocks);
+                assert!(n >= 1 && n <= nsocks);
+                if len < 2 * STRIPE_MIN {
+                    assert_eq!(n, 1, "only payloads of 2 x STRIPE_MIN are striped");
+                }
+                let mut at = 0;
+                for i in 0..n {
+                    let (lo, hi) = stripe_bounds(len, n, i);
+                    assert_eq!(lo, at, "len {len}, {n} stripes: gap before stripe {i}");
+                    assert!(hi >= lo);
+                    if i + 1 < n {
+                        assert_eq!(hi % STRIPE_ALIGN, 0);
+                    }
+                    at = hi;
+                }
+                assert_eq!(at, len);
+            }
+        }
+    }
+
+    #[test]
+    fn sender_and_receiver_cut_a_frame_alike() {
+        let data = vec![0u8; (3 << 20) + 4];
+        let mut s = SendOp::new(1, fp(data.len()), &data);
+        s.split(4);
+        let mut dst = vec![0u8; data.len()];
+        let mut r = RecvOp::coll(0, fp(data.len()), Sink::Buf(&mut dst));
+        let mut id = 0;
+        r.split(4, &mut id);
+        let send: Vec<_> = s.parts.iter().map(|p| (p.stripe, p.lo, p.hi)).collect();
+        let recv: Vec<_> = r.parts.iter().map(|p| (p.stripe, p.lo, p.hi)).collect();
+        assert_eq!(send.len(), 4);
+        assert_eq!(send, recv);
+        assert_eq!(id, 4, "each part gets its own id");
+    }
+
+    #[test]
+    fn a_reducing_sink_combines_in_the_algorithms_order() {
+        let f = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
+        let mut acc = f(&[1.0, 2.0, 3.0]);
+        let mut sink = Sink::Reduce {
+            dst: &mut acc,
+            dtype: DType::F32,
+            op: ReduceOp::Max,
+            order: Order::SrcFirst,
+        };
+        sink.absorb(4, &f(&[5.0, 0.0]));
+        assert_eq!(sink.len(), 12);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&acc), &[1.0, 5.0, 3.0]);
+        let mut buf = vec![0u8; 4];
+        let mut copy = Sink::Buf(&mut buf);
+        copy.absorb(1, &[7, 8]);
+        assert_eq!(buf, [0, 7, 8, 0]);
+    }
+
+    #[test]
+    fn staged_delivery_reduces_every_byte_once() {
+        // Deliver 600 KiB in odd pieces through a 256 KiB staging buffer.
+        let n = 600 << 10;
+        let src: Vec<u8> = (0..n).map(|i| (i % 7) as u8).collect();
+        let mut acc = vec![1u8; n];
+        let mut sink = Sink::Reduce {
+            dst: &mut acc,
+            dtype: DType::U8,
+            op: ReduceOp::Sum,
+            order: Order::AccFirst,
+        };
+        let mut r = RecvPart {
+            stripe: 0,
+            lo: 0,
+            hi: n,
+            pending: None,
+            id: 1,
+            delivered: 0,
+            staging: vec![0u64; (256 << 10) / 8],
+            staged: 0,
+            done: false,
+        };
+        for piece in src.chunks(70_001) {
+            r.deliver(&mut sink, piece);
+        }
+        assert_eq!(r.delivered, n);
+        assert!(acc.iter().zip(&src).all(|(a, s)| *a == s + 1));
+    }
+}

@@ -1,0 +1,467 @@
+//! Making links: the listening socket, the acceptor thread that authenticates every incoming
+//! connection before the progress loop sees it, and dialling, adoption and the extra sockets
+//! of a striped link (see the module doc of [`super`] for the protocol).
+
+use super::*;
+
+/// Who this side of a communicator's links is, for the handshakes.
+#[derive(Clone)]
+pub(super) struct Identity {
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) comm_hash: u64,
+    pub(super) token: Option<JobToken>,
+    /// Sockets per peer (`HCOMM_NSOCKS`).
+    pub(super) nsocks: usize,
+}
+
+impl Identity {
+    pub(super) fn local(&self, role: Role) -> Local {
+        Local {
+            role,
+            rank: self.rank as u32,
+            comm_hash: self.comm_hash,
+        }
+    }
+}
+
+/// The accepting side of a communicator's links: a thread that accepts connections and
+/// authenticates each on a thread of its own, handing the good ones (with the rank they proved
+/// to be) to the progress loop through a channel, and waking it through a socket pair.
+pub(super) struct Acceptor {
+    pub(super) addr: SocketAddr,
+    /// Authenticated connections: (peer rank, stripe, socket).
+    pub(super) accepted: mpsc::Receiver<(usize, usize, Socket)>,
+    /// Readable when `accepted` has something.
+    pub(super) wake: UnixStream,
+    pub(super) stop: Arc<AtomicBool>,
+    pub(super) counters: Arc<Counters>,
+}
+
+impl Acceptor {
+    pub(super) fn start(listener: Socket, me: Identity) -> io::Result<Acceptor> {
+        let addr = listener
+            .local_addr()?
+            .as_socket()
+            .ok_or_else(|| io::Error::other("listener has no IP address"))?;
+        let (wake, waker) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        waker.set_nonblocking(true)?;
+        let (tx, accepted) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        let (st, c) = (stop.clone(), counters.clone());
+        std::thread::Builder::new()
+            .name("hcomm-accept".into())
+            .spawn(move || accept_loop(listener, me, tx, Arc::new(waker), st, c))?;
+        Ok(Acceptor {
+            addr,
+            accepted,
+            wake,
+            stop,
+            counters,
+        })
+    }
+
+    /// Empty the wake-up socket (the channel is drained by the caller).
+    pub(super) fn drain_wake(&self) {
+        let mut b = [0u8; 64];
+        while matches!((&self.wake).read(&mut b), Ok(n) if n > 0) {}
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        // The accept thread sees this within 100 ms and closes the listener.
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+pub(super) fn accept_loop(
+    listener: Socket,
+    me: Identity,
+    tx: mpsc::Sender<(usize, usize, Socket)>,
+    waker: Arc<UnixStream>,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+) {
+    let pending = Arc::new(AtomicUsize::new(0));
+    while !stop.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(100u16)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => {
+                tracing::warn!("link listener: poll: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        loop {
+            let (sock, from) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
+                Err(e) => {
+                    // Out of descriptors or similar: do not spin on it.
+                    tracing::warn!("link listener: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                    break;
+                }
+            };
+            let from = from.as_socket();
+            let Some(slot) = PendingSlot::take(&pending) else {
+                counters.overloaded();
+                tracing::warn!(
+                    ?from,
+                    "too many unauthenticated data connections; dropping one"
+                );
+                continue;
+            };
+            let (me, tx, waker, counters) =
+                (me.clone(), tx.clone(), waker.clone(), counters.clone());
+            let spawned = std::thread::Builder::new()
+                .name("hcomm-link-auth".into())
+                .spawn(move || {
+                    let r = authenticate(sock, &me, &counters);
+                    drop(slot);
+                    match r {
+                        Ok((peer, stripe, sock)) => {
+                            if tx.send((peer, stripe, sock)).is_ok() {
+                                let _ = (&*waker).write(&[1]);
+                            }
+                        }
+                        Err(e) => tracing::warn!(?from, "rejected a data connection: {e}"),
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("cannot start a thread to authenticate a data connection: {e}");
+            }
+        }
+    }
+}
+
+/// The accepting side's handshake on a new connection: the peer must be another rank of this
+/// communicator (and prove the token, if there is one), then say which of the link's sockets
+/// this is ([`announce`]). Returns its rank, the stripe and the socket, ready for the progress
+/// loop. The outcome is counted before the socket can close, so a rejected peer sees the
+/// close only after it was counted.
+pub(super) fn authenticate(
+    sock: Socket,
+    me: &Identity,
+    counters: &Counters,
+) -> Result<(usize, usize, Socket), HandshakeError> {
+    let io = |e: io::Error| HandshakeError::Io(e.to_string());
+    let _ = sock.set_nodelay(true);
+    let mut stream = TcpStream::from(sock);
+    let deadline = Instant::now() + PRE_AUTH_DEADLINE;
+    let check = |h: &auth::Hello| {
+        if h.comm_hash != me.comm_hash {
+            return Err(HandshakeError::WrongPeer(format!(
+                "a rank of communicator {:#x}, not of this one ({:#x})",
+                h.comm_hash, me.comm_hash
+            )));
+        }
+        if h.rank as usize >= me.size || h.rank as usize == me.rank {
+            return Err(HandshakeError::WrongPeer(format!(
+                "claims rank {} of this {}-rank communicator, as rank {}",
+                h.rank, me.size, me.rank
+            )));
+        }
+        Ok(())
+    };
+    let r = (|| {
+        stream.set_nonblocking(false).map_err(io)?;
+        let hello = auth::accept(
+            &mut stream,
+            me.token.as_ref(),
+            me.local(Role::LinkAcceptor),
+            check,
+            deadline,
+        )?;
+        // Authenticated: which socket of the link is this?
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(HandshakeError::TimedOut(PRE_AUTH_DEADLINE));
+        }
+        stream.set_read_timeout(Some(left)).map_err(io)?;
+        let mut a = [0u8; 2];
+        stream.read_exact(&mut a).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                HandshakeError::TimedOut(PRE_AUTH_DEADLINE)
+            }
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted => HandshakeError::Closed,
+            _ => io(e),
+        })?;
+        let (stripe, nsocks) = (a[0] as usize, a[1] as usize);
+        if nsocks != me.nsocks || stripe >= nsocks {
+            return Err(HandshakeError::Malformed(format!(
+                "rank {} opens socket {stripe} of {nsocks} per peer; this rank uses HCOMM_NSOCKS={} \
+                 (every rank must use the same)",
+                hello.rank, me.nsocks
+            )));
+        }
+        stream.set_read_timeout(None).map_err(io)?;
+        stream.set_write_timeout(None).map_err(io)?;
+        stream.set_nonblocking(true).map_err(io)?;
+        Ok((hello.rank as usize, stripe))
+    })();
+    counters.record(&r);
+    let (peer, stripe) = r?;
+    Ok((peer, stripe, Socket::from(stream)))
+}
+
+/// The two bytes a dialer sends right after the handshake: which socket of the link this is
+/// (`stripe`), and how many the dialer uses per peer.
+pub(super) fn announce(stripe: usize, nsocks: usize) -> [u8; 2] {
+    [stripe as u8, nsocks as u8]
+}
+
+/// Why one attempt to open a link failed.
+pub(super) enum DialError {
+    /// The handshake failed.
+    Handshake(HandshakeError),
+    /// Connecting failed.
+    Other(Error),
+}
+
+impl From<Error> for DialError {
+    fn from(e: Error) -> Self {
+        DialError::Other(e)
+    }
+}
+
+impl TcpLinks {
+    /// Create the listening socket on `ip` (port chosen by the kernel).
+    pub fn listen(ip: std::net::IpAddr) -> io::Result<Socket> {
+        let addr = SocketAddr::new(ip, 0);
+        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        s.set_reuse_address(true)?;
+        s.bind(&SockAddr::from(addr))?;
+        s.listen(1024)?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    }
+
+    /// Make sure a link with `peer` exists or is on its way. Returns whether it exists now.
+    ///
+    /// The lower rank opens every socket of the link. A higher rank that needs the link first
+    /// opens socket 0 and asks; once the lower rank adopts it, the higher rank opens the
+    /// others (whoever opened socket 0 opens the rest).
+    pub(super) fn ensure_link(
+        &mut self,
+        ctx: &OpContext,
+        peer: usize,
+        deadline: Instant,
+    ) -> Result<bool> {
+        if self.inb[peer].is_some() {
+            return Ok(true);
+        }
+        if peer >= self.n {
+            // Pipes exist from the start or never.
+            return Ok(false);
+        }
+        if self.rank > peer {
+            // The lower rank may have connected already (and even left since): take that first.
+            self.accept_pending();
+            if self.inb[peer].is_some() {
+                return Ok(true);
+            }
+            if self.forming[peer].iter().any(Option::is_some) {
+                // The lower rank's sockets are arriving.
+                return Ok(false);
+            }
+            let recently = self.asked_at[peer].is_some_and(|t| t.elapsed() < ASK_AGAIN);
+            if self.asking[peer].is_none() && !recently {
+                let s = self.dial(ctx, peer, 0, deadline)?;
+                self.asking[peer] = Some(s);
+                self.asked_at[peer] = Some(Instant::now());
+            }
+            return Ok(false);
+        }
+        if self.forming[peer].iter().any(Option::is_some) {
+            // We adopted the higher rank's ask: it is opening the other sockets.
+            return Ok(false);
+        }
+        let buf = self.socket_buf;
+        let socks = (0..self.me.nsocks)
+            .map(|stripe| {
+                self.dial(ctx, peer, stripe, deadline)
+                    .map(|s| Inbound::new(s, buf))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.inb[peer] = Some(socks);
+        Ok(true)
+    }
+
+    /// Connect to `peer`'s listener, run the handshake and announce socket `stripe` (retried
+    /// while the connection is merely lost, as when the peer's listener is overloaded, until
+    /// `deadline`).
+    pub(super) fn dial(
+        &self,
+        ctx: &OpContext,
+        peer: usize,
+        stripe: usize,
+        deadline: Instant,
+    ) -> Result<Socket> {
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            match self.dial_once(ctx, peer, stripe, deadline) {
+                Err(DialError::Handshake(e)) if e.is_transient() && Instant::now() < deadline => {
+                    tracing::debug!(peer, "handshake failed ({e}); trying again");
+                    std::thread::sleep(
+                        backoff.min(deadline.saturating_duration_since(Instant::now())),
+                    );
+                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                }
+                Err(DialError::Handshake(e)) if e.is_transient() => {
+                    return Err(Error::Timeout {
+                        ctx: ctx.clone(),
+                        peers: vec![peer],
+                        after: self.op_timeout,
+                        detail: format!("connecting to {}: {e}", self.peers[peer]),
+                    })
+                }
+                Err(DialError::Handshake(e)) => {
+                    return Err(Error::Auth {
+                        ctx: ctx.clone(),
+                        peer: Some(peer),
+                        msg: format!("data link to {}: {e}", self.peers[peer]),
+                    })
+                }
+                Err(DialError::Other(e)) => return Err(e),
+                Ok(s) => return Ok(s),
+            }
+        }
+    }
+
+    pub(super) fn dial_once(
+        &self,
+        ctx: &OpContext,
+        peer: usize,
+        stripe: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Socket, DialError> {
+        let addr = self.peers[peer];
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(10), Duration::from_secs(30));
+        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        s.connect_timeout(&SockAddr::from(addr), left)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::ConnectionRefused => Error::PeerClosed {
+                    ctx: ctx.clone(),
+                    peer,
+                    detail: format!("connection to {addr} refused: the rank is gone"),
+                },
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Timeout {
+                    ctx: ctx.clone(),
+                    peers: vec![peer],
+                    after: left,
+                    detail: format!("connecting to {addr}"),
+                },
+                _ => Error::io(ctx.clone(), Some(peer), format!("connect to {addr}: {e}")),
+            })?;
+        s.set_nodelay(true)
+            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        let mut stream = TcpStream::from(s);
+        // The peer's acceptor answers at once (it is a thread of its own), or drops us.
+        let hs_deadline = Instant::now() + left.min(2 * PRE_AUTH_DEADLINE);
+        auth::connect(
+            &mut stream,
+            self.me.token.as_ref(),
+            self.me.local(Role::LinkDialer),
+            peer as u32,
+            hs_deadline,
+        )
+        .map_err(DialError::Handshake)?;
+        // Two bytes into an empty socket buffer; a peer that dropped us shows up as a lost
+        // connection (retried) here or at the first read.
+        stream
+            .write_all(&announce(stripe, self.me.nsocks))
+            .map_err(|e| DialError::Handshake(HandshakeError::Io(e.to_string())))?;
+        let setup = |stream: &TcpStream| -> io::Result<()> {
+            stream.set_read_timeout(None)?;
+            stream.set_write_timeout(None)?;
+            stream.set_nonblocking(true)
+        };
+        setup(&stream).map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        Ok(Socket::from(stream))
+    }
+
+    /// Higher rank: read the lower ranks' answers to our asks. An adopted ask becomes socket 0
+    /// of the link; this rank then opens the others.
+    pub(super) fn pump_asking(&mut self, ctx: &OpContext, deadline: Instant) -> Result<bool> {
+        let mut progress = false;
+        for peer in 0..self.asking.len() {
+            let Some(sock) = &self.asking[peer] else {
+                continue;
+            };
+            let mut b = [0u8; 1];
+            match (&*sock).read(&mut b) {
+                Ok(1) if b[0] == ADOPT_ACK => {
+                    let s = self.asking[peer].take().expect("asking");
+                    if self.inb[peer].is_none() {
+                        let buf = self.socket_buf;
+                        let mut socks = vec![Inbound::new(s, buf)];
+                        for stripe in 1..self.me.nsocks {
+                            let s = self.dial(ctx, peer, stripe, deadline)?;
+                            socks.push(Inbound::new(s, buf));
+                        }
+                        self.inb[peer] = Some(socks);
+                    }
+                    progress = true;
+                }
+                Err(e) if would_block(&e) => {}
+                // Dropped (the lower rank connected itself) or garbage: wait for its connection.
+                _ => {
+                    self.asking[peer] = None;
+                    progress = true;
+                }
+            }
+        }
+        Ok(progress)
+    }
+
+    /// Take the connections the acceptor has authenticated: a lower rank's are the sockets of
+    /// our link with it; a higher rank's socket 0 is an ask, adopted (with an ack byte) unless
+    /// we have a link already, and its other sockets complete an adopted link.
+    pub(super) fn accept_pending(&mut self) -> bool {
+        self.acceptor.drain_wake();
+        let mut progress = false;
+        while let Ok((peer, stripe, sock)) = self.acceptor.accepted.try_recv() {
+            progress = true;
+            if self.inb[peer].is_some() {
+                // We already connected to that higher rank: dropping this ask tells it so.
+                continue;
+            }
+            let forming = &mut self.forming[peer];
+            if peer < self.rank {
+                // The lower rank connected: these are our link's sockets; any ask is moot.
+                self.asking[peer] = None;
+                if forming[stripe].is_none() {
+                    forming[stripe] = Some(sock);
+                }
+            } else if stripe == 0 {
+                // A higher rank asks: adopt its socket (unless an ask was adopted already).
+                let mut w = &sock;
+                if forming[0].is_none() && w.write_all(&[ADOPT_ACK]).is_ok() {
+                    forming[0] = Some(sock);
+                }
+            } else if forming[0].is_some() && forming[stripe].is_none() {
+                // The other sockets of an adopted ask.
+                forming[stripe] = Some(sock);
+            }
+            if forming.iter().all(Option::is_some) {
+                let buf = self.socket_buf;
+                let socks = forming
+                    .iter_mut()
+                    .map(|s| Inbound::new(s.take().expect("all present"), buf))
+                    .collect();
+                self.inb[peer] = Some(socks);
+            }
+        }
+        progress
+    }
+}
