@@ -69,6 +69,7 @@ impl PyFusion {
         }
     }
 
+    #[allow(unsafe_code)] // Views of the step's Python buffers: see `buffer::Buf`.
     fn launch(&self, s: &mut Step, bucket: Bucket) {
         let (dtype, op, skip_zeros) = (bucket.dtype, self.op, self.opts.skip_zero_blocks);
         let mut comp = self
@@ -172,6 +173,7 @@ impl PyFusion {
     /// from `ready` stops the calls; the remaining buckets are still waited for, then it is
     /// raised.
     #[pyo3(signature = (ready = None))]
+    #[allow(unsafe_code)] // Views of the step's Python buffers: see `buffer::Buf`.
     fn finish(&self, py: Python<'_>, ready: Option<Bound<'_, PyAny>>) -> PyResult<usize> {
         self.flush();
         let step = {

@@ -6,6 +6,16 @@
 //! `catch_unwind`, so a panic surfaces as `hcomm.HcommError` instead of crossing the FFI
 //! boundary. The Pythonic API (HCCL names, shapes, output allocation) is `python/hcomm/`.
 
+// `unsafe` is allowed only where Python buffers are viewed as byte slices: in `buffer` (the
+// views themselves) and on the functions below (and in `fusion`) that hand such views to the
+// library, each with a `// SAFETY:` note on why the object outlives the view and the views
+// are disjoint.
+#![deny(unsafe_code)]
+
+// Raw views (`&[u8]` / `&mut [u8]`) of the memory of Python objects that export a contiguous
+// buffer. Invariant its `unsafe fn`s state as their contract: the object stays alive, unmoved
+// and unresized while a view is used, and a mutable view overlaps no other view.
+#[allow(unsafe_code)]
 mod buffer;
 mod compression;
 mod errors;
@@ -218,6 +228,7 @@ impl PyComm {
 
     /// All-reduce `send` into `recv` with `op`; `send=None` (or the same buffer) is in place.
     #[pyo3(signature = (send, recv, op = "sum", async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn all_reduce(
         &self,
         py: Python<'_>,
@@ -253,6 +264,7 @@ impl PyComm {
     /// rank) defaults to equal blocks. `send=None` is in place (this rank's block already in
     /// `recv`).
     #[pyo3(signature = (send, recv, counts = None, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn all_gather(
         &self,
         py: Python<'_>,
@@ -288,6 +300,7 @@ impl PyComm {
     /// `send`. `counts` defaults to equal blocks. `send=None`: `recv` is the whole buffer and
     /// the result lands in this rank's block of it.
     #[pyo3(signature = (send, recv, op = "sum", counts = None, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -323,6 +336,7 @@ impl PyComm {
 
     /// Broadcast `buf` from `root` to every rank, in place.
     #[pyo3(signature = (buf, root, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn broadcast(
         &self,
         py: Python<'_>,
@@ -341,6 +355,7 @@ impl PyComm {
     /// Reduce `send` over all ranks into `recv` on `root`. `recv` may be None on other ranks;
     /// `send=None` (or the same buffer) is in place on `recv`.
     #[pyo3(signature = (send, recv, op, root, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn reduce(
         &self,
         py: Python<'_>,
@@ -372,6 +387,7 @@ impl PyComm {
     /// Gather every rank's `send` into `recv` on `root` (None elsewhere). `counts` defaults
     /// to equal blocks.
     #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn gather(
         &self,
         py: Python<'_>,
@@ -400,6 +416,7 @@ impl PyComm {
     /// Scatter `root`'s `send` (None elsewhere) in rank order: every rank receives its block
     /// in `recv`. `counts` defaults to equal blocks.
     #[pyo3(signature = (send, recv, root, counts = None, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn scatter(
         &self,
         py: Python<'_>,
@@ -428,6 +445,7 @@ impl PyComm {
     /// All-to-all: block p of `send` goes to rank p; block p of `recv` comes from rank p.
     /// Counts (elements per peer) default to equal blocks.
     #[pyo3(signature = (send, recv, send_counts = None, recv_counts = None, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn all_to_all(
         &self,
         py: Python<'_>,
@@ -469,6 +487,7 @@ impl PyComm {
 
     /// Send `buf` to `peer` with `tag`.
     #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn send(
         &self,
         py: Python<'_>,
@@ -486,6 +505,7 @@ impl PyComm {
 
     /// Receive into `buf` the message `peer` sent with `tag` (sizes must match).
     #[pyo3(signature = (peer, tag, buf, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn recv(
         &self,
         py: Python<'_>,
@@ -502,6 +522,7 @@ impl PyComm {
     }
 
     /// Send `send` to `dst` and receive `recv` from `src` at the same time.
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn send_recv(
         &self,
         py: Python<'_>,
@@ -606,6 +627,7 @@ impl PyComm {
     /// order. Errors: a dtype other than float32, another op, a state bound to another tensor
     /// size (`InvalidArgumentError`).
     #[pyo3(signature = (buf, state, op = "sum", async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn all_reduce_compressed(
         &self,
         py: Python<'_>,
@@ -663,6 +685,7 @@ impl PyComm {
     /// copied at the call. Returns (Work or None, result holder): the holder's `take()` gives
     /// the reduced rows once the operation has completed.
     #[pyo3(signature = (indices, values, row_len, op = "sum", async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn sparse_all_reduce(
         &self,
         py: Python<'_>,
@@ -817,6 +840,7 @@ impl PyConnection {
     }
 
     /// Send `buf` on the connection.
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn send(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("send", "tensor", buf, false)?;
         blocking(py, move || {
@@ -826,6 +850,7 @@ impl PyConnection {
     }
 
     /// Receive into `buf` from the connection (sizes must match).
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn recv(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = buffer("recv", "tensor", buf, true)?;
         blocking(py, move || {

@@ -35,7 +35,7 @@ use crate::base::error::{Error, Result};
 use crate::comm::Communicator;
 use crate::compress::{CompressionState, Compressor};
 use crate::engine::Work;
-use crate::lent::LentBuf;
+use crate::lent::{self, Lender};
 
 /// Bucket sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -487,20 +487,24 @@ impl Fusion {
     where
         F: for<'scope> FnOnce(&mut Bucketer<'scope, 'env>) -> Result<R>,
     {
-        let mut b = Bucketer {
-            fusion: self,
-            planner: BucketPlanner::new(self.opts),
-            tensors: Vec::new(),
-            in_flight: VecDeque::new(),
-            launched: 0,
-            _scope: PhantomData,
-        };
-        // On the closure's error, the open buckets are not launched (this rank alone may have
-        // failed: launching would run collectives its peers do not); dropping the bucketer
-        // still waits for the buckets in flight.
-        let r = f(&mut b)?;
-        b.finish()?;
-        Ok(r)
+        // The lending scope returns only once every tensor lent to a job is back.
+        lent::scope(|lender| {
+            let mut b = Bucketer {
+                fusion: self,
+                lender,
+                planner: BucketPlanner::new(self.opts),
+                tensors: Vec::new(),
+                in_flight: VecDeque::new(),
+                launched: 0,
+                _scope: PhantomData,
+            };
+            // On the closure's error, the open buckets are not launched (this rank alone may
+            // have failed: launching would run collectives its peers do not); dropping the
+            // bucketer still waits for the buckets in flight.
+            let r = f(&mut b)?;
+            b.finish()?;
+            Ok(r)
+        })
     }
 }
 
@@ -514,6 +518,7 @@ type BucketWork = Work<(Option<Vec<u8>>, Option<BucketState>)>;
 /// step, so it cannot be moved out of it or swapped with another step's.
 pub struct Bucketer<'scope, 'env> {
     fusion: &'scope Fusion,
+    lender: &'scope Lender<'env>,
     planner: BucketPlanner,
     tensors: Vec<Option<TensorMut<'env>>>,
     in_flight: VecDeque<(Bucket, BucketWork)>,
@@ -577,15 +582,13 @@ impl<'scope, 'env> Bucketer<'scope, 'env> {
             reduce_bucket(c, buf, dtype, op, comp, skip_zeros)
         };
         let work = if bucket.direct {
+            // The tensor is lent to the job for good: it is reduced in place, nothing of this
+            // step touches it again, and the step's lending scope waits for it.
             let t = self.tensors[bucket.members[0]]
-                .as_mut()
+                .take()
                 .expect("a tensor is in one bucket only");
             prepare_bucket(&mut comp, t.bytes, encode_here);
-            // SAFETY: the tensor stays in `self.tensors` (borrowed for 'env, which outlives
-            // the step) and is not touched again until `finish` has waited for this work;
-            // `Fusion::step` always calls `finish`, and the bucketer cannot leave the step.
-            // The LentBuf moves into the job, its only user.
-            let mut lent = unsafe { LentBuf::new(t.bytes) };
+            let mut lent = self.lender.lend(t.bytes);
             self.fusion.comm.run_async("all_reduce", move |c| {
                 reduce(c, lent.as_mut(), &mut comp)?;
                 Ok((None, comp))

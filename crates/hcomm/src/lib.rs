@@ -13,6 +13,11 @@
 //! [`transport`] (bytes between ranks) and [`bootstrap`] (joining a job) → [`reduce`]
 //! (kernels).
 #![warn(missing_docs)]
+// `unsafe` lives in three audited modules only, each allowed below (or in `shm/mod.rs`) with
+// the invariant it upholds: `shm::segment` and `shm::ring` (shared memory) and `lent`
+// (buffers borrowed from callers and lent to the progress engine). One test (a `fork` in
+// `bootstrap/store.rs`) allows it on itself.
+#![deny(unsafe_code)]
 
 pub mod algo;
 pub mod auth;
@@ -25,6 +30,11 @@ mod engine;
 pub mod fusion;
 pub mod fuzzing;
 pub mod history;
+// Buffers borrowed from a caller (`&'env mut [u8]`) and lent to engine jobs as raw pointers.
+// Invariant: a lent buffer is used only while its `LentBuf` exists, and `lent::scope` returns
+// (or unwinds) only after every `LentBuf` lent in it was dropped, so the borrow outlives every
+// use (see the module's documentation).
+#[allow(unsafe_code)]
 mod lent;
 pub mod shm;
 pub mod sparse;

@@ -803,6 +803,8 @@ mod tests {
     /// A forked child (a DataLoader worker, a subprocess) that drops its copy of rank 0's
     /// server must leave the parent's server serving: the listening socket is shared.
     #[test]
+    // Test only: `fork` and `_exit` are `unsafe`; the crate otherwise denies `unsafe_code`.
+    #[allow(unsafe_code)]
     fn a_forked_child_dropping_its_copy_leaves_the_server_serving() {
         use nix::sys::wait::{waitpid, WaitStatus};
         use nix::unistd::{fork, ForkResult};

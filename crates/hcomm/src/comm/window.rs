@@ -99,17 +99,17 @@ impl SharedMemory {
     /// themselves (e.g. with `signal` / `wait_signal` or a barrier).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
-        // SAFETY: bounds checked; a copy of plain bytes into shared memory, whose ordering
-        // with other ranks is the caller's protocol.
-        unsafe { self.seg.write(offset, src) };
+        // Ordering with other ranks is the caller's protocol (the windows' part of the
+        // invariant in `shm/segment.rs`).
+        self.seg.put(offset, src);
         Ok(())
     }
 
     /// Copy bytes at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
-        // SAFETY: as for `write`.
-        unsafe { self.seg.read(offset, dst) };
+        // As for `write`.
+        self.seg.get(offset, dst);
         Ok(())
     }
 
@@ -117,6 +117,10 @@ impl SharedMemory {
     ///
     /// # Safety
     /// No rank may write the segment while the slice lives.
+    // The two views are `unsafe` by nature (other processes share the memory); each is one
+    // call of the matching `Segment` view with the same contract, so the allowance is limited
+    // to these two functions.
+    #[allow(unsafe_code)]
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: caller's obligation, see above.
         unsafe { self.seg.bytes(0, self.len) }
@@ -126,6 +130,7 @@ impl SharedMemory {
     ///
     /// # Safety
     /// No other rank may access the segment while the slice lives.
+    #[allow(unsafe_code)] // See `as_slice`.
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: caller's obligation, see above.
         unsafe { self.seg.bytes_mut(0, self.len) }
@@ -380,10 +385,10 @@ impl Communicator {
             let l = piece.min(mine.end - off);
             let acc = &mut acc[..l];
             for (p, part) in win.parts.iter().enumerate() {
-                // SAFETY: between the two barriers, slice `mine` of every part is read and written
-                // by this rank only (each rank owns a different slice; the caller guarantees
-                // nobody else touches the window during the call).
-                let src = unsafe { part.seg.bytes(off, l) };
+                // Protocol: between the two barriers, slice `mine` of every part is read and
+                // written by this rank only (each rank owns a different slice; the caller
+                // guarantees nobody else touches the window during the call).
+                let src = part.seg.view(off, l);
                 if p == 0 {
                     acc.copy_from_slice(src);
                 } else {
@@ -400,8 +405,8 @@ impl Communicator {
                 crate::base::reduce::finalize_mean(dtype, acc, n);
             }
             for part in &win.parts {
-                // SAFETY: as above: this rank's slice, between the barriers.
-                unsafe { part.seg.write(off, acc) };
+                // Protocol: as above, this rank's slice, between the barriers.
+                part.seg.put(off, acc);
             }
             off += l;
         }

@@ -11,7 +11,17 @@
 mod all_to_all_v;
 pub mod futex;
 pub mod p2p;
+// The ring's `Bytes` trait has `unsafe` methods: the caller (the ring's own push/pop) promises
+// that the range is the producer's alone (copy in) or published and not yet consumed (copy
+// out), which the single-producer/single-consumer counters with release/acquire guarantee.
+#[allow(unsafe_code)]
 pub mod ring;
+// The mapping itself (mmap/munmap), atomics over its words, raw copies and views of its
+// bytes, all bounds-checked. Invariant (stated in the module header): a range is copied into
+// or viewed mutably only while the owning protocol gives this rank it alone, and copied out
+// or viewed only while nobody writes it; the collectives, rings and windows that call the
+// safe crate-internal accessors keep that protocol.
+#[allow(unsafe_code)]
 pub mod segment;
 
 pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
@@ -211,24 +221,18 @@ impl ShmGroup {
         (self.written, self.read)
     }
 
-    /// Copy `src` into the segment at `off`, counted.
-    ///
-    /// # Safety
-    /// As for [`Segment::write`].
-    unsafe fn put(&mut self, off: usize, src: &[u8]) {
+    /// Copy `src` into the segment at `off`, counted. The protocol must give this rank the
+    /// range (see [`Segment::put`]); each call site says which step does.
+    fn put(&mut self, off: usize, src: &[u8]) {
         self.written += src.len() as u64;
-        // SAFETY: the caller's obligation (see `Segment::write`).
-        unsafe { self.seg.write(off, src) }
+        self.seg.put(off, src)
     }
 
-    /// Copy bytes at `off` out of the segment into `dst`, counted.
-    ///
-    /// # Safety
-    /// As for [`Segment::read`].
-    unsafe fn get(&mut self, off: usize, dst: &mut [u8]) {
+    /// Copy bytes at `off` out of the segment into `dst`, counted. The protocol must have
+    /// published them (see [`Segment::get`]); each call site says which step did.
+    fn get(&mut self, off: usize, dst: &mut [u8]) {
         self.read += dst.len() as u64;
-        // SAFETY: the caller's obligation (see `Segment::read`).
-        unsafe { self.seg.read(off, dst) }
+        self.seg.get(off, dst)
     }
 
     /// Remove the segment's name (after every local rank attached).
@@ -498,14 +502,14 @@ impl ShmGroup {
                 Some(i) => i,
                 None => &*out,
             };
-            // SAFETY: slot (me, par) is this rank's: peers last read it in the call before the
+            // Protocol: slot (me, par) is this rank's: peers last read it in the call before the
             // previous one, and every peer arrived at the previous call after finishing that.
-            unsafe { self.put(self.layout.slot(me, par, len), src) };
+            self.put(self.layout.slot(me, par, len), src);
             self.first_barrier(fp, w)?;
             if writes_out {
-                // SAFETY: slot (p, par) was published by p's arrival, which we awaited; p does
+                // Protocol: slot (p, par) was published by p's arrival, which we awaited; p does
                 // not write it again before we arrive at the next call.
-                let slot = |p: usize| unsafe { self.seg.bytes(self.layout.slot(p, par, len), len) };
+                let slot = |p: usize| self.seg.view(self.layout.slot(p, par, len), len);
                 Self::reduce_in_rank_order(n, &mut out[..len], dtype, op, slot);
                 self.read += (n * len) as u64;
                 if op == ReduceOp::Mean {
@@ -529,28 +533,26 @@ impl ShmGroup {
             // Phase A: stage the slices the peers reduce.
             for (p, s) in segs.iter().enumerate() {
                 if p != me {
-                    // SAFETY: staging (me, par) is ours: its readers finished the step two steps
+                    // Protocol: staging (me, par) is ours: its readers finished the step two steps
                     // ago before arriving at that step's phase B, which we awaited.
-                    unsafe { self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]) };
+                    self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]);
                 }
             }
             self.phase_a(&mut first, fp, w)?;
             // Reduce our slice, in rank order, into the shared result.
             let mine = segs[me].clone();
             let r_off = self.layout.result(par) + mine.start;
-            // SAFETY: the result slice of rank `me` is written only by us between this step's
+            // Protocol: the result slice of rank `me` is written only by us between this step's
             // phase A and B; its readers (after phase B two steps ago) arrived at this step's A.
-            let acc = unsafe { self.seg.bytes_mut(r_off, mine.len()) };
+            let acc = self.seg.view_mut(r_off, mine.len());
             let contribution = |p: usize| -> &[u8] {
                 if p == me {
                     &inp[mine.clone()]
                 } else {
-                    // SAFETY: published by p's phase-A arrival; p rewrites it only after our
+                    // Protocol: published by p's phase-A arrival; p rewrites it only after our
                     // phase-B arrival of this step.
-                    unsafe {
-                        self.seg
-                            .bytes(self.layout.staging(p, par) + mine.start, mine.len())
-                    }
+                    self.seg
+                        .view(self.layout.staging(p, par) + mine.start, mine.len())
                 }
             };
             Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
@@ -560,14 +562,12 @@ impl ShmGroup {
             self.arrive_and_wait_all(w)?;
             if writes_out {
                 for s in &segs {
-                    // SAFETY: result slices were published by the phase-B arrivals we awaited and
+                    // Protocol: result slices were published by the phase-B arrivals we awaited and
                     // are rewritten only after our next arrival.
-                    unsafe {
-                        self.get(
-                            self.layout.result(par) + s.start,
-                            &mut out[o + s.start..o + s.end],
-                        )
-                    };
+                    self.get(
+                        self.layout.result(par) + s.start,
+                        &mut out[o + s.start..o + s.end],
+                    );
                 }
             }
             o += l;
@@ -593,13 +593,14 @@ impl ShmGroup {
             self.calls += 1;
             let len = buf.len();
             if me == root {
-                // SAFETY: slot (root, par) is ours (see all_reduce's one-shot path).
-                unsafe { self.put(self.layout.slot(root, par, len), buf) };
+                // Protocol: slot (root, par) is ours (see all_reduce's one-shot path).
+                self.put(self.layout.slot(root, par, len), buf);
             }
             self.first_barrier(fp, w)?;
             if me != root {
-                // SAFETY: published by the root's arrival; rewritten two calls later at the earliest.
-                unsafe { self.get(self.layout.slot(root, par, len), buf) };
+                // Protocol: published by the root's arrival; rewritten two calls later at the
+                // earliest.
+                self.get(self.layout.slot(root, par, len), buf);
             }
             return Ok(());
         }
@@ -610,13 +611,13 @@ impl ShmGroup {
             let par = (self.steps % 2) as usize;
             self.steps += 1;
             if me == root {
-                // SAFETY: staging (root, par) is ours (readers finished two steps ago).
-                unsafe { self.put(self.layout.staging(root, par), &buf[o..o + l]) };
+                // Protocol: staging (root, par) is ours (readers finished two steps ago).
+                self.put(self.layout.staging(root, par), &buf[o..o + l]);
             }
             self.phase_a(&mut first, fp, w)?;
             if me != root {
-                // SAFETY: published by the root's arrival; rewritten only after our next one.
-                unsafe { self.get(self.layout.staging(root, par), &mut buf[o..o + l]) };
+                // Protocol: published by the root's arrival; rewritten only after our next one.
+                self.get(self.layout.staging(root, par), &mut buf[o..o + l]);
             }
             self.arrive_and_wait_all(w)?;
             o += l;
@@ -658,21 +659,20 @@ impl ShmGroup {
                 Some(i) => i,
                 None => &out[offs[me]..offs[me] + blocks[me]],
             };
-            // SAFETY: slot (me, par) is ours (see all_reduce's one-shot path).
-            unsafe { self.put(self.layout.slot(me, par, longest), src) };
+            // Protocol: slot (me, par) is ours (see all_reduce's one-shot path).
+            self.put(self.layout.slot(me, par, longest), src);
             self.first_barrier(fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
                     if p == me && input.is_none() {
                         continue;
                     }
-                    // SAFETY: published by p's arrival; rewritten two calls later at the earliest.
-                    unsafe {
-                        self.get(
-                            self.layout.slot(p, par, longest),
-                            &mut out[offs[p]..offs[p] + b],
-                        )
-                    };
+                    // Protocol: published by p's arrival; rewritten two calls later at the
+                    // earliest.
+                    self.get(
+                        self.layout.slot(p, par, longest),
+                        &mut out[offs[p]..offs[p] + b],
+                    );
                 }
             }
             return Ok(());
@@ -688,8 +688,8 @@ impl ShmGroup {
                 Some(i) => &i[o.min(i.len())..o.min(i.len()) + mine_l],
                 None => &out[offs[me] + o.min(blocks[me])..offs[me] + o.min(blocks[me]) + mine_l],
             };
-            // SAFETY: staging (me, par) is ours (readers finished two steps ago).
-            unsafe { self.put(self.layout.staging(me, par), src) };
+            // Protocol: staging (me, par) is ours (readers finished two steps ago).
+            self.put(self.layout.staging(me, par), src);
             self.phase_a(&mut first, fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
@@ -698,8 +698,8 @@ impl ShmGroup {
                         continue;
                     }
                     let dst = &mut out[offs[p] + o..offs[p] + o + l];
-                    // SAFETY: published by p's arrival; rewritten only after our next arrival.
-                    unsafe { self.get(self.layout.staging(p, par), dst) };
+                    // Protocol: published by p's arrival; rewritten only after our next arrival.
+                    self.get(self.layout.staging(p, par), dst);
                 }
             }
             self.arrive_and_wait_all(w)?;
@@ -749,21 +749,19 @@ impl ShmGroup {
             for (p, &b) in blocks.iter().enumerate() {
                 let l = b.saturating_sub(o).min(piece);
                 if p != me && l > 0 {
-                    // SAFETY: staging (me, par) is ours (readers finished two steps ago).
-                    unsafe {
-                        self.put(
-                            self.layout.staging(me, par) + p * piece,
-                            &full[offs[p] + o..offs[p] + o + l],
-                        )
-                    };
+                    // Protocol: staging (me, par) is ours (readers finished two steps ago).
+                    self.put(
+                        self.layout.staging(me, par) + p * piece,
+                        &full[offs[p] + o..offs[p] + o + l],
+                    );
                 }
             }
             self.phase_a(&mut first, fp, w)?;
             let l = blocks[me].saturating_sub(o).min(piece);
             if l > 0 {
                 let r_off = self.layout.result(par) + me * piece;
-                // SAFETY: our piece of the result area, ours between phases A and B.
-                let acc = unsafe { self.seg.bytes_mut(r_off, l) };
+                // Protocol: our piece of the result area, ours between phases A and B.
+                let acc = self.seg.view_mut(r_off, l);
                 let own: &[u8] = match input {
                     Some(i) => &i[offs[me] + o..offs[me] + o + l],
                     None => &out[offs[me] + o..offs[me] + o + l],
@@ -772,8 +770,8 @@ impl ShmGroup {
                     if p == me {
                         own
                     } else {
-                        // SAFETY: published by p's phase-A arrival.
-                        unsafe { self.seg.bytes(self.layout.staging(p, par) + me * piece, l) }
+                        // Protocol: published by p's phase-A arrival.
+                        self.seg.view(self.layout.staging(p, par) + me * piece, l)
                     }
                 };
                 Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
@@ -847,13 +845,11 @@ impl ShmGroup {
                 for (p, b) in send.iter().enumerate() {
                     let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                     if l > 0 {
-                        // SAFETY: staging (me, par) is ours (readers finished two steps ago).
-                        unsafe {
-                            self.put(
-                                self.layout.staging(me, par) + p * piece,
-                                &input[off + o..off + o + l],
-                            )
-                        };
+                        // Protocol: staging (me, par) is ours (readers finished two steps ago).
+                        self.put(
+                            self.layout.staging(me, par) + p * piece,
+                            &input[off + o..off + o + l],
+                        );
                     }
                 }
             }
@@ -862,14 +858,12 @@ impl ShmGroup {
                 let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                 let src = root.unwrap_or(q);
                 if l > 0 && root.is_none_or(|r| q == r) {
-                    // SAFETY: published by the sender's phase-A arrival; rewritten only after our
+                    // Protocol: published by the sender's phase-A arrival; rewritten only after our
                     // phase-B arrival.
-                    unsafe {
-                        self.get(
-                            self.layout.staging(src, par) + me * piece,
-                            &mut out[off + o..off + o + l],
-                        )
-                    };
+                    self.get(
+                        self.layout.staging(src, par) + me * piece,
+                        &mut out[off + o..off + o + l],
+                    );
                 }
             }
             self.arrive_and_wait_all(w)?;

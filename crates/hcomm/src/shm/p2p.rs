@@ -10,8 +10,8 @@
 //! one of its rings, or frees space in one, rings it when somebody sleeps there. The handshake
 //! and the layout are in `README.md` ("Point-to-point rings").
 
-use super::ring::{Bytes, Ring};
-use super::segment::Segment;
+use super::ring::Ring;
+use super::segment::{RingBytes, Segment};
 use super::{futex, pid_namespace, process_gone};
 use std::io;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -206,29 +206,6 @@ impl Drop for P2pShm {
     }
 }
 
-/// The data bytes of one ring in the segment.
-struct SegBytes<'a> {
-    seg: &'a Segment,
-    at: usize,
-    cap: usize,
-}
-
-impl Bytes for SegBytes<'_> {
-    fn capacity(&self) -> usize {
-        self.cap
-    }
-    unsafe fn copy_in(&self, at: usize, src: &[u8]) {
-        assert!(at + src.len() <= self.cap);
-        // SAFETY: inside this ring's data; exclusivity is the caller's contract (ring.rs).
-        unsafe { self.seg.write(self.at + at, src) }
-    }
-    unsafe fn copy_out(&self, at: usize, dst: &mut [u8]) {
-        assert!(at + dst.len() <= self.cap);
-        // SAFETY: inside this ring's data; publication is the caller's contract (ring.rs).
-        unsafe { self.seg.read(self.at + at, dst) }
-    }
-}
-
 /// One rank's end of the two rings it shares with a peer on its host: a non-blocking byte
 /// stream in each direction, used like a socket.
 pub struct ShmPipe {
@@ -244,14 +221,10 @@ impl ShmPipe {
     fn with_ring<R>(
         &self,
         at: usize,
-        f: impl FnOnce(&Ring<'_, AtomicU64, SegBytes<'_>>) -> R,
+        f: impl FnOnce(&Ring<'_, AtomicU64, RingBytes<'_>>) -> R,
     ) -> R {
         let seg = &self.shm.seg;
-        let bytes = SegBytes {
-            seg,
-            at: at + RING_HEADER,
-            cap: self.shm.layout.ring,
-        };
+        let bytes = RingBytes::new(seg, at + RING_HEADER, self.shm.layout.ring);
         f(&Ring {
             head: seg.atomic_u64(at),
             tail: seg.atomic_u64(at + LINE),

@@ -1,5 +1,30 @@
-//! A POSIX shared-memory segment mapped into this process. This module and
-//! [`super::futex`] hold the library's only `unsafe` code for shared memory.
+//! A POSIX shared-memory segment mapped into this process.
+//!
+//! With [`super::ring`] (the ring's unsafe `Bytes` contract), this file holds the library's
+//! only `unsafe` code for shared memory ([`super::futex`] needs none: rustix's futex calls are
+//! safe). Everything else — the collectives in `shm/mod.rs`, the point-to-point rings in
+//! `shm/p2p.rs`, the windows in `comm/window.rs` — reaches the bytes through the safe,
+//! crate-internal accessors below ([`Segment::put`], [`Segment::get`], [`Segment::view`],
+//! [`Segment::view_mut`]) and the atomics ([`Segment::atomic_u32`], [`Segment::atomic_u64`]).
+//!
+//! # The invariant those accessors rely on
+//!
+//! Every access is bounds-checked once per call (a slice-level check, never per element); what
+//! cannot be checked here is exclusion between ranks. It is stated once, here: **while a copy
+//! into or out of a byte range runs, or a view of it lives, the range is either written by this
+//! rank alone (`put`, `view_mut`) or written by nobody (`get`, `view`)**, as the protocol that
+//! owns the segment orders it:
+//!
+//! * the collectives (`shm/mod.rs`, `shm/all_to_all_v.rs`): arrivals with release/acquire
+//!   ordering hand each slot, staging and result range to one writer per phase (README.md
+//!   beside this file); every call site says which step of the protocol grants the range;
+//! * the rings (`shm/p2p.rs`): the single-producer/single-consumer protocol of `ring.rs`;
+//! * windows (`comm/window.rs`): the users' own ordering (signals, barriers), as
+//!   `SharedMemory`'s documentation requires, and `all_reduce_window`'s two barriers.
+//!
+//! The accessors are `pub(crate)` so that no code outside the library can call them; the public
+//! `unsafe` methods ([`Segment::write`], [`Segment::read`], [`Segment::bytes`],
+//! [`Segment::bytes_mut`]) state the same obligation as their `# Safety` contract.
 
 use std::io;
 use std::ptr::NonNull;
@@ -235,6 +260,78 @@ impl Segment {
         );
         // SAFETY: in bounds; exclusivity is the caller's obligation (see # Safety).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+/// Protocol-ordered access for the library itself (see "The invariant" in the module header).
+impl Segment {
+    /// Copy `src` into the segment at `off` (bounds checked). The protocol must give this rank
+    /// the range alone until it publishes it with a release store.
+    pub(crate) fn put(&self, off: usize, src: &[u8]) {
+        // SAFETY: every caller is a step of the segment's protocol that gives this rank the
+        // range alone (the invariant in the module header); `write` checks the bounds.
+        unsafe { self.write(off, src) }
+    }
+
+    /// Copy the bytes at `off` into `dst` (bounds checked). The protocol must have published
+    /// them to this rank and keep them unwritten until this rank says it is done.
+    pub(crate) fn get(&self, off: usize, dst: &mut [u8]) {
+        // SAFETY: every caller is a step of the segment's protocol in which nobody writes the
+        // range (the invariant in the module header); `read` checks the bounds.
+        unsafe { self.read(off, dst) }
+    }
+
+    /// A shared view of `len` bytes at `off` (bounds checked once), for reading in place. The
+    /// protocol must keep the range unwritten while the view lives.
+    pub(crate) fn view(&self, off: usize, len: usize) -> &[u8] {
+        // SAFETY: every caller holds the view only during a step of the segment's protocol in
+        // which nobody writes the range (the invariant in the module header).
+        unsafe { self.bytes(off, len) }
+    }
+
+    /// An exclusive view of `len` bytes at `off` (bounds checked once), for reducing in place.
+    /// The protocol must give this rank the range alone while the view lives, and the caller
+    /// holds no other view of it.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn view_mut(&self, off: usize, len: usize) -> &mut [u8] {
+        // SAFETY: every caller holds the view only during a step of the segment's protocol that
+        // gives this rank the range alone, and takes one view of it at a time (the invariant in
+        // the module header).
+        unsafe { self.bytes_mut(off, len) }
+    }
+}
+
+/// The data bytes of one ring (`cap` bytes at offset `at`) of a segment, for [`super::ring`].
+pub(crate) struct RingBytes<'a> {
+    seg: &'a Segment,
+    at: usize,
+    cap: usize,
+}
+
+impl<'a> RingBytes<'a> {
+    /// The `cap` bytes at `at` of `seg` (checked against the segment's size).
+    pub(crate) fn new(seg: &'a Segment, at: usize, cap: usize) -> RingBytes<'a> {
+        assert!(
+            at.checked_add(cap).is_some_and(|end| end <= seg.len()),
+            "ring of {cap} bytes at {at} outside the segment"
+        );
+        RingBytes { seg, at, cap }
+    }
+}
+
+impl super::ring::Bytes for RingBytes<'_> {
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+    unsafe fn copy_in(&self, at: usize, src: &[u8]) {
+        assert!(at + src.len() <= self.cap);
+        // SAFETY: inside this ring's data; exclusivity is the caller's contract (ring.rs).
+        unsafe { self.seg.write(self.at + at, src) }
+    }
+    unsafe fn copy_out(&self, at: usize, dst: &mut [u8]) {
+        assert!(at + dst.len() <= self.cap);
+        // SAFETY: inside this ring's data; publication is the caller's contract (ring.rs).
+        unsafe { self.seg.read(self.at + at, dst) }
     }
 }
 
