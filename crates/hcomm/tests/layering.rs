@@ -64,7 +64,19 @@ const ROOT_NAMES: &[(&str, &str)] = &[
 ];
 
 /// Files allowed to hold `unsafe` code (the audited islands).
-const UNSAFE_ISLANDS: &[&str] = &["shm/", "lent.rs"];
+const UNSAFE_ISLANDS: &[&str] = &["shm/segment.rs", "shm/ring.rs", "lent.rs"];
+
+/// Files outside the islands that may name `unsafe` on at most so many lines, each with the
+/// reason; one more line there fails the test.
+const UNSAFE_EXCEPTIONS: &[(&str, usize, &str)] = &[
+    // The module lists open the islands (`#[allow(unsafe_code)] mod lent;`).
+    ("lib.rs", 1, "opens the lent island"),
+    ("shm/mod.rs", 2, "opens the segment and ring islands"),
+    // `SharedMemory::as_slice`/`as_mut_slice`: public `unsafe fn`s whose contract is the
+    // caller's (no rank writes the bytes while the slice lives), each an allow, a signature
+    // and one call into the segment island.
+    ("comm/window.rs", 6, "public unsafe views of a window"),
+];
 
 struct Source {
     /// Path below `src/`, with `/`.
@@ -365,16 +377,26 @@ fn unsafe_code_stays_in_its_islands() {
         "lib.rs must deny unsafe code outside the islands"
     );
     for s in sources() {
-        let island = UNSAFE_ISLANDS.iter().any(|i| s.rel.starts_with(i));
-        for (n, line) in &s.lines {
-            let uses = line.contains("unsafe ") || line.contains("unsafe{");
-            let allows = line.contains("allow(unsafe_code)");
-            assert!(
-                island || !(uses || allows),
-                "{}:{n}: unsafe code outside the audited modules {UNSAFE_ISLANDS:?}",
-                s.rel
-            );
+        if UNSAFE_ISLANDS.iter().any(|i| s.rel.starts_with(i)) {
+            continue;
         }
+        let unsafe_lines: Vec<usize> = s
+            .lines
+            .iter()
+            .filter(|(_, l)| {
+                l.contains("unsafe ") || l.contains("unsafe{") || l.contains("allow(unsafe_code)")
+            })
+            .map(|(n, _)| *n)
+            .collect();
+        let allowed = UNSAFE_EXCEPTIONS
+            .iter()
+            .find(|(file, _, _)| s.rel == *file)
+            .map_or(0, |(_, max, _)| *max);
+        assert!(
+            unsafe_lines.len() <= allowed,
+            "{}: unsafe code on lines {unsafe_lines:?} outside the audited modules {UNSAFE_ISLANDS:?} (allowed here: {allowed})",
+            s.rel
+        );
     }
 }
 
