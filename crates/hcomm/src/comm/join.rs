@@ -1,0 +1,295 @@
+//! The rendezvous-store steps of joining a communicator, and where the ranks sit on hosts.
+//!
+//! * [`join_store`]: reach the job's store, skipping a stale one still serving an earlier
+//!   world on the same port;
+//! * [`mark_built`] / [`wait_until_built`] / [`all_built_key`]: "every rank of this
+//!   communicator is done with the store", so that rank 0 never takes the store away from a
+//!   rank still setting up;
+//! * [`compute_hierarchical_layout`]: a pure function of the ranks' host ids.
+//!
+//! It may use the store client and the bootstrap layer only (and `store_connect_error` of
+//! [`super::build`]); nothing of the communicator.
+
+use super::build::store_connect_error;
+use crate::auth::JobToken;
+use crate::base::error::{Error, Result};
+use crate::bootstrap;
+use crate::bootstrap::store::{StoreClient, StoreError};
+use std::time::{Duration, Instant};
+
+/// Connect to the store at `addr` as world rank `rank`, skipping a store whose world has
+/// already formed: a communicator that was dropped and is being created again on the same
+/// master port (`InitHcom` after `DestroyHcom`) can come back while rank 0 still holds the old
+/// store, whose peer list is stale. Rank 0 publishes the list only after every rank's record
+/// is in, which this (new) rank's is not yet, so a store with a list is never this join's.
+/// That store goes away when rank 0 drops its communicator and rank 0's new one takes the
+/// port, so this rank keeps trying until `timeout`. A store whose list is rank 0's refusal
+/// (the ranks disagree) fails this rank with that reason.
+pub(super) fn join_store(
+    addr: &str,
+    rank: usize,
+    timeout: Duration,
+    token: Option<&JobToken>,
+) -> Result<StoreClient> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(10);
+    let list_key = bootstrap::peer_list_key("world");
+    let store_error = |e| Error::Config(format!("rank {rank}: rendezvous store at {addr}: {e}"));
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut store = StoreClient::connect(addr, left.max(Duration::from_millis(10)), token)
+            .map_err(|e| match e {
+                // Say how long this rank tried in all, not in this last attempt.
+                StoreError::Unreachable { addr, last, .. } => StoreError::Unreachable {
+                    addr,
+                    after: timeout,
+                    last,
+                },
+                other => other,
+            })
+            .map_err(|e| store_connect_error(&format!("rank {rank}: "), e))?;
+        if !store.check(&list_key).map_err(store_error)? {
+            return Ok(store);
+        }
+        let list = store
+            .get(&list_key, Duration::from_millis(100))
+            .map_err(store_error)?;
+        if let Some(why) = bootstrap::refusal(&list) {
+            return Err(Error::Config(why));
+        }
+        drop(store);
+        if Instant::now() + pause >= deadline {
+            return Err(Error::Config(format!(
+                "rank {rank}: the rendezvous store at {addr} still served a communicator formed \
+                 without this rank after {timeout:?}: rank 0 has not dropped its earlier \
+                 communicator on this port (drop it first), or another job uses the port"
+            )));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// This rank is done with the store's part of setting up communicator `comm_id`: the last of
+/// its `size` ranks to say so publishes that every rank is.
+pub(super) fn mark_built(store: &mut StoreClient, comm_id: &str, size: usize) -> Result<()> {
+    let err = |e: crate::bootstrap::store::StoreError| {
+        Error::Config(format!("setting up '{comm_id}': {e}"))
+    };
+    if store.add(&format!("{comm_id}/built"), 1).map_err(err)? == size as i64 {
+        store.set(&all_built_key(comm_id), b"1").map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The store key [`mark_built`]'s last rank sets: every rank of `comm_id` is built.
+pub(super) fn all_built_key(comm_id: &str) -> String {
+    format!("{comm_id}/built/all")
+}
+
+/// [`mark_built`], then wait until every rank of `comm_id` has (for the rank whose
+/// communicator holds the store).
+pub(super) fn wait_until_built(
+    store: &mut StoreClient,
+    comm_id: &str,
+    size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    mark_built(store, comm_id, size)?;
+    store
+        .get(&all_built_key(comm_id), timeout)
+        .map(|_| ())
+        .map_err(|e| {
+            Error::Config(format!(
+                "setting up '{comm_id}': not every one of its {size} ranks finished within {timeout:?} ({e})"
+            ))
+        })
+}
+
+/// (host index, index within the host, ranks per host) of `rank`, when the ranks of `hosts`
+/// (the host id of every rank) form at least 2 hosts of L >= 2 ranks each, hosts numbered in
+/// the order of their lowest rank; `None` otherwise. See
+/// [`Communicator::hierarchical_layout`](crate::comm::Communicator::hierarchical_layout).
+pub(super) fn compute_hierarchical_layout(
+    hosts: &[String],
+    rank: usize,
+) -> Option<(usize, usize, usize)> {
+    let mut distinct: Vec<&String> = Vec::new();
+    for h in hosts {
+        if !distinct.contains(&h) {
+            distinct.push(h);
+        }
+    }
+    let per = hosts.len() / distinct.len().max(1);
+    if distinct.len() < 2
+        || per < 2
+        || distinct
+            .iter()
+            .any(|h| hosts.iter().filter(|x| x == h).count() != per)
+    {
+        return None;
+    }
+    let host = distinct.iter().position(|h| **h == hosts[rank])?;
+    let local = (0..rank).filter(|&r| hosts[r] == hosts[rank]).count();
+    Some((host, local, per))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::store::StoreServer;
+
+    fn layout(hosts: &[&str], rank: usize) -> Option<(usize, usize, usize)> {
+        let hosts: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
+        compute_hierarchical_layout(&hosts, rank)
+    }
+
+    fn all(hosts: &[&str]) -> Vec<Option<(usize, usize, usize)>> {
+        (0..hosts.len()).map(|r| layout(hosts, r)).collect()
+    }
+
+    #[test]
+    fn layout_of_hosts_in_blocks() {
+        assert_eq!(
+            all(&["a", "a", "b", "b"]),
+            [
+                Some((0, 0, 2)),
+                Some((0, 1, 2)),
+                Some((1, 0, 2)),
+                Some((1, 1, 2))
+            ]
+        );
+    }
+
+    #[test]
+    fn layout_of_interleaved_hosts_numbers_hosts_by_lowest_rank() {
+        // Host "b" holds rank 0, so it is host 0.
+        assert_eq!(
+            all(&["b", "a", "b", "a"]),
+            [
+                Some((0, 0, 2)),
+                Some((1, 0, 2)),
+                Some((0, 1, 2)),
+                Some((1, 1, 2))
+            ]
+        );
+    }
+
+    #[test]
+    fn layout_of_an_odd_number_of_hosts() {
+        let hosts = ["a", "a", "a", "b", "b", "b", "c", "c", "c"];
+        assert_eq!(layout(&hosts, 0), Some((0, 0, 3)));
+        assert_eq!(layout(&hosts, 5), Some((1, 2, 3)));
+        assert_eq!(layout(&hosts, 7), Some((2, 1, 3)));
+        assert_eq!(
+            all(&["x", "y", "z", "x", "y", "z"])[4],
+            Some((1, 1, 2)),
+            "3 hosts of 2, interleaved"
+        );
+    }
+
+    #[test]
+    fn no_layout_on_one_host_or_one_rank_per_host() {
+        assert!(all(&["a"]).iter().all(Option::is_none));
+        assert!(all(&["a", "a", "a", "a"]).iter().all(Option::is_none));
+        assert!(all(&["a", "b"]).iter().all(Option::is_none));
+        assert!(all(&["a", "b", "c"]).iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn no_layout_with_unequal_ranks_per_host() {
+        assert!(all(&["a", "a", "a", "b", "b"]).iter().all(Option::is_none));
+        assert!(all(&["a", "a", "b", "b", "c"]).iter().all(Option::is_none));
+        // As many ranks as 3 hosts of 2 would have, unevenly spread.
+        assert!(all(&["a", "a", "a", "b", "c", "c"])
+            .iter()
+            .all(Option::is_none));
+        assert!(all(&["a", "b", "b", "b"]).iter().all(Option::is_none));
+    }
+
+    const SECS5: Duration = Duration::from_secs(5);
+
+    fn store() -> (StoreServer, String) {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let addr = server.addr().to_string();
+        (server, addr)
+    }
+
+    #[test]
+    fn the_last_rank_to_mark_built_publishes_that_all_are() {
+        let (_server, addr) = store();
+        let mut c: Vec<StoreClient> = (0..3)
+            .map(|_| StoreClient::connect(&addr, SECS5, None).unwrap())
+            .collect();
+        let key = all_built_key("world/split1/c0");
+        mark_built(&mut c[2], "world/split1/c0", 3).unwrap();
+        mark_built(&mut c[0], "world/split1/c0", 3).unwrap();
+        assert!(!c[1].check(&key).unwrap());
+        // Another communicator's count is its own.
+        mark_built(&mut c[1], "world", 1).unwrap();
+        assert!(c[1].check(&all_built_key("world")).unwrap());
+        assert!(!c[1].check(&key).unwrap());
+        mark_built(&mut c[1], "world/split1/c0", 3).unwrap();
+        assert_eq!(c[0].get(&key, SECS5).unwrap(), b"1");
+    }
+
+    #[test]
+    fn wait_until_built_waits_for_every_rank() {
+        let (_server, addr) = store();
+        let mut c0 = StoreClient::connect(&addr, SECS5, None).unwrap();
+        let waiter = std::thread::spawn(move || wait_until_built(&mut c0, "g", 2, SECS5));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiter.is_finished());
+        let mut c1 = StoreClient::connect(&addr, SECS5, None).unwrap();
+        mark_built(&mut c1, "g", 2).unwrap();
+        waiter.join().unwrap().unwrap();
+
+        let mut alone = StoreClient::connect(&addr, SECS5, None).unwrap();
+        let e = wait_until_built(&mut alone, "h", 2, Duration::from_millis(50))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("setting up 'h': not every one of its 2 ranks finished within"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn join_store_takes_a_fresh_store() {
+        let (_server, addr) = store();
+        let mut s = join_store(&addr, 1, SECS5, None).unwrap();
+        s.set("k", b"v").unwrap();
+    }
+
+    #[test]
+    fn join_store_skips_a_store_whose_world_formed_until_the_timeout() {
+        let (_server, addr) = store();
+        let mut c = StoreClient::connect(&addr, SECS5, None).unwrap();
+        c.set(&bootstrap::peer_list_key("world"), b"[]").unwrap();
+        let e = join_store(&addr, 3, Duration::from_millis(100), None)
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(
+            e.contains("rank 3: the rendezvous store at")
+                && e.contains("still served a communicator formed without this rank"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn join_store_fails_with_rank_0s_refusal() {
+        let (_server, addr) = store();
+        let mut c = StoreClient::connect(&addr, SECS5, None).unwrap();
+        c.set(
+            &bootstrap::peer_list_key("world"),
+            br#"{"error":"the ranks disagree"}"#,
+        )
+        .unwrap();
+        let e = join_store(&addr, 1, SECS5, None).err().expect("an error");
+        assert!(
+            matches!(&e, Error::Config(m) if m == "the ranks disagree"),
+            "{e:?}"
+        );
+    }
+}
