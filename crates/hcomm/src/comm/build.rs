@@ -11,8 +11,8 @@ use super::shm_setup::{setup_p2p_shm, setup_shm};
 use super::{Communicator, Inner};
 use crate::algo::select::Thresholds;
 use crate::auth::JobToken;
-use crate::base::error::{Error, OpContext, Result};
-use crate::bootstrap::store::{StoreClient, StoreError, StoreServer};
+use crate::base::error::{Error, Result};
+use crate::bootstrap::store::{StoreClient, StoreServer};
 use crate::bootstrap::{self, PeerInfo};
 use crate::comm::traffic::TrafficTable;
 use crate::config::{BootstrapConfig, TransportKind, Tuning};
@@ -190,7 +190,7 @@ impl Communicator {
             rank,
             listener,
             peers.iter().map(|p| p.addr).collect(),
-            hash64(&comm_id),
+            crate::auth::comm_hash(&comm_id),
             token.clone(),
             policy,
             nsocks,
@@ -314,26 +314,4 @@ pub(super) struct BuildArgs {
     pub(super) transport: TransportKind,
     pub(super) token: Option<JobToken>,
     pub(super) nsocks: usize,
-}
-
-/// A stable 64-bit hash of a communicator id.
-pub(super) fn hash64(s: &str) -> u64 {
-    // FNV-1a: stable across processes (std's hasher is randomised).
-    crate::auth::comm_hash(s)
-}
-
-/// A failure to reach or join the rendezvous store: a refused handshake is an authentication
-/// error, anything else a configuration one.
-pub(super) fn store_connect_error(prefix: &str, e: StoreError) -> Error {
-    match e {
-        StoreError::Handshake { .. } => Error::Auth {
-            ctx: OpContext {
-                op: "bootstrap",
-                seq: 0,
-            },
-            peer: None,
-            msg: format!("{prefix}{e}"),
-        },
-        other => Error::Config(format!("{prefix}{other}")),
-    }
 }

@@ -5,8 +5,9 @@
 //! It may use the communicator's state and collectives (the split's all-gather), the
 //! rendezvous store, and [`super::build`] and [`super::join`].
 
-use super::build::{store_connect_error, BuildArgs};
+use super::build::BuildArgs;
 use super::join::all_built_key;
+use super::join::store_connect_error;
 use super::Communicator;
 use crate::base::dtype::DType;
 use crate::base::error::{Error, Result};

@@ -10,9 +10,8 @@
 //! It may use the store client and the bootstrap layer only (and `store_connect_error` of
 //! [`super::build`]); nothing of the communicator.
 
-use super::build::store_connect_error;
 use crate::auth::JobToken;
-use crate::base::error::{Error, Result};
+use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap;
 use crate::bootstrap::store::{StoreClient, StoreError};
 use std::time::{Duration, Instant};
@@ -132,6 +131,22 @@ pub(super) fn compute_hierarchical_layout(
     let host = distinct.iter().position(|h| **h == hosts[rank])?;
     let local = (0..rank).filter(|&r| hosts[r] == hosts[rank]).count();
     Some((host, local, per))
+}
+
+/// A failure to reach or join the rendezvous store: a refused handshake is an authentication
+/// error, anything else a configuration one.
+pub(super) fn store_connect_error(prefix: &str, e: StoreError) -> Error {
+    match e {
+        StoreError::Handshake { .. } => Error::Auth {
+            ctx: OpContext {
+                op: "bootstrap",
+                seq: 0,
+            },
+            peer: None,
+            msg: format!("{prefix}{e}"),
+        },
+        other => Error::Config(format!("{prefix}{other}")),
+    }
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ use crate::transport::tcp::TcpLinks;
 use crate::wire::collective::Algo;
 pub use crate::wire::collective::Collective;
 use crate::wire::frame::Header;
-use build::store_connect_error;
+use join::store_connect_error;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

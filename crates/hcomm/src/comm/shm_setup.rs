@@ -6,7 +6,6 @@
 //! It may use the shared-memory layer ([`crate::shm`]), the store client and
 //! [`super::build`]'s `hash64`; nothing of the communicator.
 
-use super::build::hash64;
 use crate::base::error::{Error, Result};
 use crate::bootstrap::store::StoreClient;
 use crate::wait::WaitPolicy;
@@ -107,7 +106,7 @@ fn segment_name(kind: &str, comm_id: &str) -> String {
         .unwrap_or(0);
     format!(
         "/hcomm-{kind}{:x}-{}-{nanos:x}",
-        hash64(comm_id) & 0xffff_ffff,
+        crate::auth::comm_hash(comm_id) & 0xffff_ffff,
         std::process::id()
     )
 }
@@ -302,7 +301,7 @@ mod tests {
             assert_eq!(parts.len(), 3, "{name}");
             assert_eq!(
                 u64::from_str_radix(parts[0], 16).unwrap(),
-                hash64(comm) & 0xffff_ffff,
+                crate::auth::comm_hash(comm) & 0xffff_ffff,
                 "{name}"
             );
             assert_eq!(parts[1], pid.to_string(), "{name}");
