@@ -598,6 +598,19 @@ class Communicator:
     def timeout(self, seconds: float) -> None:
         self._c.timeout = seconds
 
+    @property
+    def deterministic(self) -> bool:
+        """Deterministic reductions (settable; ``HCOMM_DETERMINISTIC=1`` sets it at
+        creation): all-reduce, reduce-scatter and reduce combine the ranks' contributions in
+        rank order (f16/bf16 accumulated in f32), so results are bitwise the same whatever
+        the message size, fusion bucket, transport or host layout. Every rank must set the
+        same value, in the same place of its program."""
+        return self._c.deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        self._c.deterministic = bool(on)
+
     def abort(self) -> None:
         """Abort: every operation in flight and every later one fails with
         :class:`AbortedError`. Safe from any thread."""

@@ -108,3 +108,10 @@ def test_init_and_destroy_again_and_again_on_one_port(n):
 def test_a_failing_rank_fails_the_job():
     out = run_job(2, ["-c", "import sys, hcomm; hcomm.InitHcom(); sys.exit(3 if hcomm.GetRank() == 1 else 0)"], expect_ok=False)
     assert "exited with code 3" in out, out
+
+
+@pytest.mark.parametrize("n,mode", [(2, "property"), (3, "env"), (4, "property")])
+def test_deterministic_reductions_give_the_rank_order_bits(n, mode):
+    env = {"HCOMM_DETERMINISTIC": "1"} if mode == "env" else None
+    out = run_job(n, [WORKERS / "deterministic.py", mode], env=env)
+    assert out.count("deterministic ok") == n

@@ -220,6 +220,20 @@ impl PyComm {
         Ok(())
     }
 
+    /// Deterministic reductions (`HCOMM_DETERMINISTIC`): all-reduce, reduce-scatter and
+    /// reduce combine the ranks in rank order, f16/bf16 in f32, so the bits do not depend on
+    /// size, bucket, transport or layout. Every rank must set the same value.
+    #[getter]
+    fn get_deterministic(&self) -> bool {
+        self.comm.is_deterministic()
+    }
+
+    #[setter]
+    fn set_deterministic(&self, py: Python<'_>, on: bool) {
+        let comm = self.comm.clone();
+        py.detach(move || comm.set_deterministic(on));
+    }
+
     /// Abort: every operation in flight and every later one fails with AbortedError. Safe to
     /// call from any thread.
     fn abort(&self) {

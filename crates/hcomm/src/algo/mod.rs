@@ -12,6 +12,7 @@
 //! * binomial tree and chain (reduce): in virtual-rank order counted from the root.
 
 pub mod basic;
+pub mod canonical;
 pub mod ring;
 pub mod select;
 pub mod tree;

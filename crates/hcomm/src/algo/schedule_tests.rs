@@ -500,3 +500,207 @@ proptest! {
         all_to_all(n, DTYPES[d], seed);
     }
 }
+
+/// Rank `r`'s input of random, non-integer floats (as `dtype` bytes): sums of these depend on
+/// the order they are added in, so equal bits mean the same expression.
+fn random_floats(dtype: DType, r: usize, count: usize, seed: u64) -> Vec<u8> {
+    let mut rng = crate::compress::SplitMix64::new(seed ^ (r as u64).wrapping_mul(0x9e37_79b9));
+    let vals: Vec<f64> = (0..count)
+        .map(|_| (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
+        .map(|v| v * 1000.0)
+        .collect();
+    match dtype {
+        DType::F32 => vals
+            .iter()
+            .flat_map(|&v| (v as f32).to_le_bytes())
+            .collect(),
+        DType::F64 => vals.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|&v| half::f16::from_f64(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|&v| half::bf16::from_f64(v).to_le_bytes())
+            .collect(),
+        d => input(d, ReduceOp::Sum, r, count, seed),
+    }
+}
+
+/// The canonical expression, computed plainly: rank 0's vector, then each rank's in turn.
+fn canonical_reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = vec![0u8; inputs[0].len()];
+    let parts: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    crate::base::reduce::fold_in_order(dtype, op, &mut out, &parts);
+    out
+}
+
+fn canonical_all_reduce(n: usize, dtype: DType, op: ReduceOp, count: usize, seed: u64) {
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| random_floats(dtype, r, count, seed))
+        .collect();
+    let want = canonical_reference(dtype, op, &inputs);
+    let outs = world(
+        n,
+        fp(
+            Collective::AllReduce,
+            Algo::Canonical,
+            dtype,
+            Some(op),
+            None,
+            count,
+        ),
+        |run, r| {
+            let mut buf = inputs[r].clone();
+            super::canonical::all_reduce(run, &mut buf, dtype, op)?;
+            Ok(buf)
+        },
+    );
+    for (r, got) in outs.iter().enumerate() {
+        assert!(
+            got == &want,
+            "canonical all_reduce {dtype} {op} count {count} on {n} ranks: rank {r} differs"
+        );
+    }
+    // Any part of the vector reduced on its own (a bucket, a chunk) gives the same bits.
+    if count > 2 {
+        let (lo, hi) = (count / 3, count - count / 5);
+        let es = dtype.size();
+        let part = world(
+            n,
+            fp(
+                Collective::AllReduce,
+                Algo::Canonical,
+                dtype,
+                Some(op),
+                None,
+                hi - lo,
+            ),
+            |run, r| {
+                let mut buf = inputs[r][lo * es..hi * es].to_vec();
+                super::canonical::all_reduce(run, &mut buf, dtype, op)?;
+                Ok(buf)
+            },
+        );
+        assert!(
+            part[0][..] == want[lo * es..hi * es],
+            "a sub-range of {count} reduced alone differs"
+        );
+    }
+}
+
+#[test]
+fn canonical_schedules_give_the_rank_order_expression() {
+    let big = super::canonical::GATHER_MAX / 4 + 333; // the reduce-scatter form
+    for n in 1..=9 {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for count in [0, 1, 7, 1000, big] {
+                canonical_all_reduce(n, dtype, ReduceOp::Sum, count, n as u64);
+            }
+        }
+        canonical_all_reduce(n, DType::F32, ReduceOp::Prod, 50, 3);
+        canonical_all_reduce(n, DType::BF16, ReduceOp::Max, 50, 3);
+        canonical_all_reduce(n, DType::I32, ReduceOp::Sum, 4099, 3);
+        // reduce-scatter and reduce fold the same parts.
+        let count = 5 * n + 3;
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| random_floats(DType::F32, r, count, 9))
+            .collect();
+        let want = canonical_reference(DType::F32, ReduceOp::Sum, &inputs);
+        let segs = even_segments(count, n, 4);
+        let outs = world(
+            n,
+            fp(
+                Collective::ReduceScatter,
+                Algo::Canonical,
+                DType::F32,
+                Some(ReduceOp::Sum),
+                None,
+                count,
+            ),
+            |run, r| {
+                let mut out = vec![0u8; segs[r].len()];
+                super::canonical::reduce_scatter(
+                    run,
+                    &inputs[r],
+                    &mut out,
+                    &segs,
+                    DType::F32,
+                    ReduceOp::Sum,
+                )?;
+                Ok(out)
+            },
+        );
+        for (r, got) in outs.iter().enumerate() {
+            assert!(
+                got[..] == want[segs[r].clone()],
+                "canonical reduce_scatter on {n} ranks: rank {r}"
+            );
+        }
+        let root = n / 2;
+        let outs = world(
+            n,
+            fp(
+                Collective::Reduce,
+                Algo::Canonical,
+                DType::F32,
+                Some(ReduceOp::Sum),
+                Some(root),
+                count,
+            ),
+            |run, r| {
+                let mut out = vec![0u8; if r == root { want.len() } else { 0 }];
+                super::canonical::reduce(
+                    run,
+                    &inputs[r],
+                    &mut out,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    root,
+                )?;
+                Ok(out)
+            },
+        );
+        assert!(outs[root] == want, "canonical reduce on {n} ranks");
+    }
+}
+
+#[test]
+fn the_default_schedules_do_depend_on_the_order() {
+    // The reason for the canonical mode: ring and recursive doubling, both correct, round
+    // differently on non-integer floats (if this ever stops failing to differ, the
+    // canonical tests above prove less).
+    let (n, count) = (5, 4099);
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| random_floats(DType::F32, r, count, 1))
+        .collect();
+    let run_with = |algo: Algo| {
+        world(
+            n,
+            fp(
+                Collective::AllReduce,
+                algo,
+                DType::F32,
+                Some(ReduceOp::Sum),
+                None,
+                count,
+            ),
+            |run, r| {
+                let mut buf = inputs[r].clone();
+                match algo {
+                    Algo::Ring => ring::all_reduce(
+                        run,
+                        &mut buf,
+                        &even_segments(count, n, 4),
+                        DType::F32,
+                        ReduceOp::Sum,
+                    )?,
+                    _ => basic::all_reduce_rd(run, &mut buf, DType::F32, ReduceOp::Sum)?,
+                }
+                Ok(buf)
+            },
+        )
+        .swap_remove(0)
+    };
+    assert_ne!(run_with(Algo::Ring), run_with(Algo::RecursiveDoubling));
+}

@@ -14,6 +14,8 @@ pub struct Topology {
     pub shared_memory: bool,
     /// Several hosts with several ranks each (the hierarchical layout exists).
     pub hierarchical: bool,
+    /// Reductions must give the same bits whatever else changes (`HCOMM_DETERMINISTIC`).
+    pub deterministic: bool,
 }
 
 /// Size thresholds of the algorithm selector (bytes per rank).
@@ -37,8 +39,9 @@ impl Default for Thresholds {
     }
 }
 
-/// The algorithm for `coll` on `bytes` bytes per rank: `forced` when it is set and available
-/// on this topology, else the default rule (hierarchical for large all-reduces across hosts of
+/// The algorithm for `coll` on `bytes` bytes per rank: the canonical one for reductions in
+/// deterministic mode (whatever is forced: only it gives the same bits everywhere), else
+/// `forced` when it is set and available on this topology, else the default rule (hierarchical for large all-reduces across hosts of
 /// several ranks, shared memory within one host, otherwise by size).
 pub fn select(
     coll: Collective,
@@ -47,6 +50,9 @@ pub fn select(
     topology: &Topology,
     thresholds: &Thresholds,
 ) -> Algo {
+    if topology.deterministic && coll.algorithms().contains(&Algo::Canonical) {
+        return Algo::Canonical;
+    }
     let available = match forced {
         Algo::Shm => topology.shared_memory,
         Algo::Hierarchical => topology.hierarchical,
@@ -86,7 +92,38 @@ mod tests {
         size: 4,
         shared_memory: false,
         hierarchical: false,
+        deterministic: false,
     };
+
+    #[test]
+    fn deterministic_mode_picks_the_canonical_reductions_only() {
+        let t = Thresholds::default();
+        let det = Topology {
+            deterministic: true,
+            shared_memory: true,
+            hierarchical: true,
+            ..TCP
+        };
+        for coll in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::Reduce,
+        ] {
+            for bytes in [0, 8, 1 << 20, 64 << 20] {
+                for forced in [Algo::Auto, Algo::Ring, Algo::Shm] {
+                    assert_eq!(select(coll, bytes, forced, &det, &t), Algo::Canonical);
+                }
+            }
+        }
+        assert_eq!(
+            select(Collective::Broadcast, 8, Algo::Auto, &det, &t),
+            Algo::Shm
+        );
+        assert_eq!(
+            select(Collective::AllGather, 8, Algo::Auto, &det, &t),
+            Algo::Shm
+        );
+    }
 
     #[test]
     fn by_size_over_tcp() {

@@ -199,6 +199,45 @@ pub fn finalize_mean(dtype: DType, buf: &mut [u8], n: usize) {
     }
 }
 
+/// The canonical reduction of `parts` (rank 0's contribution first): element `i` of `out` is
+/// `((p0[i] ⊕ p1[i]) ⊕ p2[i]) ⊕ …`, the same expression whatever schedule gathered the parts.
+/// f16 and bf16 are accumulated in f32 and rounded once at the end (more exact than rounding
+/// at every step, and still one fixed expression). `ReduceOp::Mean` combines as a sum; call
+/// [`finalize_mean`] after. Every part and `out` must have the same length.
+pub fn fold_in_order(dtype: DType, op: ReduceOp, out: &mut [u8], parts: &[&[u8]]) {
+    let Some((first, rest)) = parts.split_first() else {
+        return;
+    };
+    debug_assert!(parts.iter().all(|p| p.len() == out.len()));
+    macro_rules! widened {
+        ($t:ty) => {{
+            let to_f32 = |b: &[u8]| -> Vec<f32> {
+                // Byte pairs, not a cast: the buffer need not be 2-byte aligned.
+                b.chunks_exact(2)
+                    .map(|x| <$t>::from_le_bytes([x[0], x[1]]).to_f32())
+                    .collect()
+            };
+            let mut acc = to_f32(first);
+            for p in rest {
+                combine_typed::<f32>(op, &mut acc, &to_f32(p), Order::AccFirst);
+            }
+            for (o, a) in out.chunks_exact_mut(2).zip(&acc) {
+                o.copy_from_slice(&<$t>::from_f32(*a).to_le_bytes());
+            }
+        }};
+    }
+    match dtype {
+        DType::F16 => widened!(f16),
+        DType::BF16 => widened!(bf16),
+        _ => {
+            out.copy_from_slice(first);
+            for p in rest {
+                reduce_into(dtype, op, out, p, Order::AccFirst);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +337,41 @@ mod tests {
         let mut out = vec![0f64; 300];
         bytemuck::cast_slice_mut::<f64, u8>(&mut out).copy_from_slice(&acc[1..]);
         assert!(out.iter().enumerate().all(|(i, &x)| x == 2.0 * i as f64));
+    }
+
+    #[test]
+    fn fold_in_order_accumulates_half_floats_in_f32_closer_to_the_exact_sum() {
+        // 64 parts of 1 + 2^-9 in f16: exact sum 64.125; rounding at every step loses the
+        // small part once the sum passes 2 (f16 has 10 fraction bits).
+        let x = f16::from_f32(1.0 + 1.0 / 512.0);
+        let part = x.to_le_bytes().to_vec();
+        let parts: Vec<&[u8]> = (0..64).map(|_| part.as_slice()).collect();
+        let mut wide = vec![0u8; 2];
+        fold_in_order(DType::F16, ReduceOp::Sum, &mut wide, &parts);
+        let mut stepwise = part.clone();
+        for p in &parts[1..] {
+            reduce_into(DType::F16, ReduceOp::Sum, &mut stepwise, p, Order::AccFirst);
+        }
+        let exact = 64.0 * x.to_f64();
+        let wide = f16::from_le_bytes([wide[0], wide[1]]).to_f64();
+        let stepwise = f16::from_le_bytes([stepwise[0], stepwise[1]]).to_f64();
+        assert!(
+            (wide - exact).abs() < (stepwise - exact).abs(),
+            "wide {wide}, stepwise {stepwise}, exact {exact}"
+        );
+        // bf16 the same way, and other dtypes fold like successive reduce_into.
+        let y = bf16::from_f32(1.0 + 1.0 / 64.0);
+        let part = y.to_le_bytes().to_vec();
+        let parts: Vec<&[u8]> = (0..64).map(|_| part.as_slice()).collect();
+        let mut wide = vec![0u8; 2];
+        fold_in_order(DType::BF16, ReduceOp::Sum, &mut wide, &parts);
+        let wide = bf16::from_le_bytes([wide[0], wide[1]]).to_f64();
+        assert_eq!(wide, 65.0, "64 x (1 + 2^-6) = 65 is representable in bf16");
+        let a = 0.1f32.to_le_bytes();
+        let b = 0.2f32.to_le_bytes();
+        let c = 0.3f32.to_le_bytes();
+        let mut out = [0u8; 4];
+        fold_in_order(DType::F32, ReduceOp::Sum, &mut out, &[&a, &b, &c]);
+        assert_eq!(f32::from_le_bytes(out), (0.1f32 + 0.2f32) + 0.3f32);
     }
 }

@@ -287,6 +287,7 @@ impl Communicator {
             hierarchy: Mutex::new(None),
             hier_layout,
             corrupt_results: tuning.corrupt_one,
+            deterministic: AtomicBool::new(tuning.deterministic),
             tuning,
             token,
             listen_addr,

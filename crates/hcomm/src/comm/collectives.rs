@@ -4,7 +4,7 @@
 //! Conventions (NCCL's): counts are in elements; out-of-place forms never modify the input;
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
-use crate::algo::{basic, ring, tree};
+use crate::algo::{basic, canonical, ring, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
 use crate::base::reduce::finalize_mean;
@@ -111,6 +111,7 @@ impl Communicator {
                 if n > 1 {
                     match algo {
                         Algo::RecursiveDoubling => basic::all_reduce_rd(run, recv, dtype, op)?,
+                        Algo::Canonical => canonical::all_reduce(run, recv, dtype, op)?,
                         _ => ring::all_reduce(
                             run,
                             recv,
@@ -467,6 +468,25 @@ impl Communicator {
                     return g.reduce_scatter(send, recv, &blocks, dtype, op, fp, &w);
                 }
                 let my_seg = segs[me].clone();
+                if algo == Algo::Canonical {
+                    match send {
+                        Some(s) => canonical::reduce_scatter(run, s, recv, &segs, dtype, op)?,
+                        None => {
+                            let input = recv.to_vec();
+                            let out = &mut recv[my_seg.clone()];
+                            canonical::reduce_scatter(run, &input, out, &segs, dtype, op)?;
+                        }
+                    }
+                    if op == ReduceOp::Mean {
+                        let out = if send.is_some() {
+                            &mut *recv
+                        } else {
+                            &mut recv[my_seg]
+                        };
+                        finalize_mean(dtype, out, n);
+                    }
+                    return Ok(());
+                }
                 match send {
                     Some(s) => {
                         if n == 1 {
@@ -610,6 +630,18 @@ impl Communicator {
                     Algo::Shm => {
                         let (g, w, fp) = run.shm_parts();
                         return g.all_reduce(send, recv, dtype, op, Some(root), fp, &w);
+                    }
+                    Algo::Canonical => {
+                        let copy: Vec<u8>;
+                        let input: &[u8] = match send {
+                            Some(s) => s,
+                            None => {
+                                copy = recv.to_vec();
+                                &copy
+                            }
+                        };
+                        let out: &mut [u8] = if me == root { recv } else { &mut [] };
+                        canonical::reduce(run, input, out, dtype, op, root)?;
                     }
                     Algo::Chain => {
                         // The chain never writes its input; in place on a non-root the output is unused.

@@ -132,6 +132,7 @@ impl Communicator {
         };
         // The parent's knobs, with the algorithms it forces now.
         let mut tuning = self.tuning.clone();
+        tuning.deterministic = self.is_deterministic();
         tuning.algo = self
             .inner
             .lock()

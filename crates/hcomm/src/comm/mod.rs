@@ -175,6 +175,8 @@ pub struct Communicator {
     corrupt_results: bool,
     /// The tuning knobs this communicator was built with (inherited by sub-communicators).
     tuning: Tuning,
+    /// Reductions in the canonical order ([`Communicator::set_deterministic`]).
+    deterministic: AtomicBool,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -433,6 +435,23 @@ impl Communicator {
             .p2p_over_shm(peer)
     }
 
+    /// Deterministic reductions on or off (`HCOMM_DETERMINISTIC=1` sets it at creation;
+    /// sub-communicators made later inherit it). On, all-reduce, reduce-scatter and reduce
+    /// run the canonical schedules of [`crate::algo::canonical`]: every element is the fold of
+    /// the ranks' contributions in rank order (f16 and bf16 accumulated in f32), so results
+    /// are bitwise the same for any message size, offset within a bucket, transport, number
+    /// of sockets or host layout of the same world size. Every rank must make the same call;
+    /// like [`set_algorithm`](Self::set_algorithm) it takes effect in issue order.
+    pub fn set_deterministic(&self, on: bool) {
+        let _turn = self.engine.turns.enter();
+        self.deterministic.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether reductions run in the canonical order ([`set_deterministic`](Self::set_deterministic)).
+    pub fn is_deterministic(&self) -> bool {
+        self.deterministic.load(Ordering::Relaxed)
+    }
+
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
     /// effect in issue order: for operations issued after this call, not for asynchronous
     /// ones already queued.
@@ -675,6 +694,7 @@ impl Communicator {
             size: self.size,
             shared_memory: self.shm_bytes > 0,
             hierarchical: self.hierarchical_layout().is_some(),
+            deterministic: self.deterministic.load(Ordering::Relaxed),
         };
         select(coll, bytes, forced, &topology, &self.thresholds)
     }

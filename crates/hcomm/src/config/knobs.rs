@@ -127,14 +127,23 @@ pub const FAULT_INJECT: Knob = Knob {
     doc: "`corrupt-one`: the last rank flips one bit of every collective result",
 };
 
+/// `HCOMM_DETERMINISTIC`.
+pub const DETERMINISTIC: Knob = Knob {
+    var: "HCOMM_DETERMINISTIC",
+    accepts: Accepts::Text,
+    default: KnobDefault::Described("`0`"),
+    doc: "`1`: reductions give the same bits whatever the algorithm, size, bucket or transport",
+};
+
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 6] = [
+pub const KNOBS: [&Knob; 7] = [
     &SPIN_US,
     &SHM_CHUNK,
     &SHM_P2P_BYTES,
     &SOCKET_BUF,
     &ALGO,
     &FAULT_INJECT,
+    &DETERMINISTIC,
 ];
 
 /// The knob read from `var`, if it is one.
@@ -248,6 +257,10 @@ pub struct Tuning {
     /// `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every collective
     /// result (a test hook, to prove that checks catch wrong results).
     pub corrupt_one: bool,
+    /// `HCOMM_DETERMINISTIC=1`: all-reduce, reduce-scatter and reduce combine the ranks'
+    /// contributions in rank order (f16 and bf16 accumulated in f32) whatever the size,
+    /// transport or layout ([`crate::algo::canonical`]).
+    pub deterministic: bool,
 }
 
 impl Default for Tuning {
@@ -259,6 +272,7 @@ impl Default for Tuning {
             socket_buf: 0,
             algo: HashMap::new(),
             corrupt_one: false,
+            deterministic: false,
         }
     }
 }
@@ -300,6 +314,15 @@ impl Tuning {
                 })
             }
         };
+        let deterministic = match vars.get(DETERMINISTIC.var).as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => {
+                return Err(ConfigError::Tuning {
+                    message: format!("{}={v}: expected 0 or 1", DETERMINISTIC.var),
+                })
+            }
+        };
         Ok(Tuning {
             spin_us,
             shm_chunk,
@@ -307,6 +330,7 @@ impl Tuning {
             socket_buf,
             algo,
             corrupt_one,
+            deterministic,
         })
     }
 }

@@ -29,6 +29,9 @@ pub enum Algo {
     Dissemination,
     /// Shared memory: every rank works directly on a segment mapped by all ranks of the host.
     Shm,
+    /// The canonical order (`HCOMM_DETERMINISTIC`): every element reduced as one fixed
+    /// expression over the ranks in rank order, whatever the size, transport or layout.
+    Canonical,
     /// Several hosts with several ranks each: reduce-scatter within each host (shared memory),
     /// all-reduce of each slice across hosts (TCP, all slices in parallel), all-gather within
     /// each host. Only `1/L` of the data crosses the network per rank (L ranks per host).
@@ -49,6 +52,7 @@ impl Algo {
             Algo::Dissemination => 7,
             Algo::Shm => 8,
             Algo::Hierarchical => 9,
+            Algo::Canonical => 10,
         }
     }
 
@@ -65,6 +69,7 @@ impl Algo {
             Algo::Dissemination,
             Algo::Shm,
             Algo::Hierarchical,
+            Algo::Canonical,
         ]
         .into_iter()
         .find(|a| a.code() == c)
@@ -83,6 +88,7 @@ impl Algo {
             Algo::Dissemination => "dissemination",
             Algo::Shm => "shm",
             Algo::Hierarchical => "hierarchical",
+            Algo::Canonical => "canonical",
         }
     }
 }
@@ -107,9 +113,10 @@ impl FromStr for Algo {
             "dissemination" => Algo::Dissemination,
             "shm" | "shared_memory" => Algo::Shm,
             "hier" | "hierarchical" => Algo::Hierarchical,
+            "canonical" | "deterministic" => Algo::Canonical,
             other => {
                 return Err(format!(
-                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm, hierarchical)"
+                    "unknown algorithm '{other}' (expected auto, ring, rd, tree, chain, linear, pairwise, dissemination, shm, hierarchical, canonical)"
                 ))
             }
         })
@@ -194,9 +201,12 @@ impl Collective {
                 Algo::RecursiveDoubling,
                 Algo::Shm,
                 Algo::Hierarchical,
+                Algo::Canonical,
             ],
-            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Shm],
-            Collective::Broadcast | Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm],
+            Collective::AllGather => &[Algo::Ring, Algo::Shm],
+            Collective::ReduceScatter => &[Algo::Ring, Algo::Shm, Algo::Canonical],
+            Collective::Broadcast => &[Algo::Tree, Algo::Chain, Algo::Shm],
+            Collective::Reduce => &[Algo::Tree, Algo::Chain, Algo::Shm, Algo::Canonical],
             Collective::Gather => &[Algo::Linear, Algo::Shm],
             Collective::Scatter => &[Algo::Linear, Algo::Shm],
             Collective::AllToAll => &[Algo::Pairwise, Algo::Shm],

@@ -1,0 +1,150 @@
+//! The canonical schedules of `HCOMM_DETERMINISTIC`: every element of a reduction is computed
+//! as one fixed expression, the ranks' contributions folded in rank order
+//! (`((x0 ⊕ x1) ⊕ x2) ⊕ … ⊕ x(n-1)`, f16 and bf16 accumulated in f32 and rounded once:
+//! [`fold_in_order`]), so the bits do not depend on which schedule ran, the message size, an
+//! element's offset within a fused bucket, chunking, striping or transport.
+//!
+//! * **all-reduce, small** (up to [`GATHER_MAX`] bytes): every rank sends its vector to every
+//!   other rank and folds all `n` locally: one round, `(n-1) S` bytes per rank.
+//! * **all-reduce, large**: a reduce-scatter in which each segment's owner gathers that
+//!   segment from every rank and folds it, then the ring all-gather: `2 S (n-1)/n` bytes per
+//!   rank, as the ring, with `(n-1)/n S` of scratch.
+//! * **reduce-scatter**: the first half of the above.
+//! * **reduce**: the root gathers every vector and folds (`(n-1) S` into the root).
+//!
+//! Both all-reduce forms fold the same parts in the same order, so switching between them by
+//! size changes no bit.
+
+use super::{ring, Run};
+use crate::base::dtype::{DType, ReduceOp};
+use crate::base::error::Result;
+use crate::base::reduce::fold_in_order;
+use crate::base::segments::even_segments;
+use crate::transport::ops::Sink;
+use std::ops::Range;
+
+/// All-reduces of up to this many bytes gather every vector on every rank.
+pub const GATHER_MAX: usize = 64 << 10;
+
+/// `parts` consecutive slices of `len` bytes of `buf` (empty ones too, so that a message of no
+/// bytes is still received).
+fn split_equal(buf: &mut [u8], parts: usize, len: usize) -> Vec<&mut [u8]> {
+    let mut out = Vec::with_capacity(parts);
+    let mut rest = buf;
+    for _ in 0..parts {
+        let (part, tail) = rest.split_at_mut(len);
+        out.push(part);
+        rest = tail;
+    }
+    out
+}
+
+/// Gather segment `segs[me]` of every rank's `input` and fold it into `out` (rank order).
+fn gather_and_fold(
+    run: &mut Run,
+    input: &[u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    out: &mut [u8],
+    step: u32,
+) -> Result<()> {
+    let (n, me) = (run.size, run.rank);
+    let mine = segs[me].clone();
+    let mut scratch = vec![0u8; mine.len() * (n - 1)];
+    {
+        let sends = (0..n)
+            .filter(|&p| p != me)
+            .map(|p| (p, step, &input[segs[p].clone()]))
+            .collect();
+        let recvs = split_equal(&mut scratch, n - 1, mine.len())
+            .into_iter()
+            .zip((0..n).filter(|&p| p != me))
+            .map(|(buf, p)| (p, step, Sink::Buf(buf)))
+            .collect();
+        run.exchange(sends, recvs)?;
+    }
+    let parts: Vec<&[u8]> = (0..n)
+        .map(|r| match r.cmp(&me) {
+            std::cmp::Ordering::Equal => &input[mine.clone()],
+            std::cmp::Ordering::Less => &scratch[r * mine.len()..(r + 1) * mine.len()],
+            std::cmp::Ordering::Greater => &scratch[(r - 1) * mine.len()..r * mine.len()],
+        })
+        .collect();
+    fold_in_order(dtype, op, out, &parts);
+    Ok(())
+}
+
+/// Canonical all-reduce of `buf` in place.
+pub fn all_reduce(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let n = run.size;
+    let count = buf.len() / dtype.size();
+    if n == 1 {
+        let copy = buf.to_vec();
+        fold_in_order(dtype, op, buf, &[&copy]);
+        return Ok(());
+    }
+    if buf.len() <= GATHER_MAX {
+        // Every rank owns the whole vector.
+        let whole = vec![0..buf.len(); n];
+        let input = buf.to_vec();
+        return gather_and_fold(run, &input, &whole, dtype, op, buf, 0);
+    }
+    let segs = even_segments(count, n, dtype.size());
+    let mut mine = vec![0u8; segs[run.rank].len()];
+    gather_and_fold(run, buf, &segs, dtype, op, &mut mine, 0)?;
+    buf[segs[run.rank].clone()].copy_from_slice(&mine);
+    ring::all_gather_in_place(run, buf, &segs, 1)
+}
+
+/// Canonical reduce-scatter: `out` receives the fold of segment `segs[rank]` of every rank's
+/// `input` (which holds every segment).
+pub fn reduce_scatter(
+    run: &mut Run,
+    input: &[u8],
+    out: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    if run.size == 1 {
+        fold_in_order(dtype, op, out, &[&input[segs[0].clone()]]);
+        return Ok(());
+    }
+    gather_and_fold(run, input, segs, dtype, op, out, 0)
+}
+
+/// Canonical reduce to `root`: `out` (the root's; empty elsewhere) receives the fold of every
+/// rank's `input`.
+pub fn reduce(
+    run: &mut Run,
+    input: &[u8],
+    out: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let (n, me) = (run.size, run.rank);
+    if me != root {
+        return run.step(0, Some((root, input)), None);
+    }
+    let len = input.len();
+    let mut scratch = vec![0u8; len * (n - 1)];
+    {
+        let recvs = split_equal(&mut scratch, n - 1, len)
+            .into_iter()
+            .zip((0..n).filter(|&p| p != me))
+            .map(|(buf, p)| (p, 0, Sink::Buf(buf)))
+            .collect();
+        run.exchange(Vec::new(), recvs)?;
+    }
+    let parts: Vec<&[u8]> = (0..n)
+        .map(|r| match r.cmp(&me) {
+            std::cmp::Ordering::Equal => input,
+            std::cmp::Ordering::Less => &scratch[r * len..(r + 1) * len],
+            std::cmp::Ordering::Greater => &scratch[(r - 1) * len..r * len],
+        })
+        .collect();
+    fold_in_order(dtype, op, out, &parts);
+    Ok(())
+}

@@ -1,0 +1,222 @@
+//! Deterministic mode (`set_deterministic(true)`, `HCOMM_DETERMINISTIC=1`) on real
+//! communicators: all-reduce, reduce-scatter and reduce give bitwise the rank-order fold of
+//! the inputs (random, non-integer floats), whatever the transport (shared memory, TCP, TCP
+//! with 2 sockets per peer), the message size (both canonical schedules), the host layout
+//! (one host, or two simulated hosts where the default would be hierarchical), and the bucket
+//! caps of a fused all-reduce.
+
+use half::bf16;
+use hcomm::config::TransportKind;
+use hcomm::fusion::{Fusion, FusionOptions};
+use hcomm::testing::{expect_all, run_threads_configured, run_threads_on_hosts};
+use hcomm::{Algo, BootstrapConfig, Collective, Communicator, ReduceOp};
+use std::sync::Arc;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(60);
+
+fn random(rank: usize, count: usize, seed: u64) -> Vec<f32> {
+    let mut rng =
+        hcomm::compress::SplitMix64::new(seed ^ ((rank as u64 + 1) * 0x9e37_79b9_7f4a_7c15));
+    (0..count)
+        .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1000.0)
+        .collect()
+}
+
+/// The canonical expression: rank 0's element, plus rank 1's, plus …, in f32.
+fn rank_order_sum(n: usize, count: usize, seed: u64) -> Vec<f32> {
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(r, count, seed)).collect();
+    (0..count)
+        .map(|i| inputs[1..].iter().fold(inputs[0][i], |acc, x| acc + x[i]))
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// What every deterministic reduction gives on `c`, for the sizes of both schedules.
+fn reductions(c: &Communicator, seed: u64) -> hcomm::Result<Vec<Vec<u32>>> {
+    c.set_deterministic(true);
+    let (n, r) = (c.world_size(), c.rank());
+    let mut out = Vec::new();
+    for count in [1, 1000, 300_001] {
+        assert_eq!(
+            c.algorithm_for(Collective::AllReduce, count * 4),
+            Algo::Canonical
+        );
+        let mut buf = random(r, count, seed);
+        c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        out.push(bits(&buf));
+    }
+    let per = 777;
+    let send = random(r, per * n, seed + 1);
+    let mut mine = vec![0f32; per];
+    c.reduce_scatter(&send, &mut mine, ReduceOp::Sum)?;
+    out.push(bits(&mine));
+    let send = random(r, 5000, seed + 2);
+    let mut root_out = vec![0f32; if r == n - 1 { 5000 } else { 0 }];
+    c.reduce(&send, &mut root_out, ReduceOp::Sum, n - 1)?;
+    out.push(bits(&root_out));
+    Ok(out)
+}
+
+fn expected(n: usize, r: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut want: Vec<Vec<u32>> = [1, 1000, 300_001]
+        .iter()
+        .map(|&count| bits(&rank_order_sum(n, count, seed)))
+        .collect();
+    let per = 777;
+    want.push(bits(
+        &rank_order_sum(n, per * n, seed + 1)[r * per..(r + 1) * per],
+    ));
+    want.push(if r == n - 1 {
+        bits(&rank_order_sum(n, 5000, seed + 2))
+    } else {
+        Vec::new()
+    });
+    want
+}
+
+#[test]
+fn every_transport_gives_the_rank_order_bits() {
+    for n in [2, 3, 4] {
+        for (name, transport, nsocks) in [
+            ("shared memory", TransportKind::Auto, 1),
+            ("tcp", TransportKind::Tcp, 1),
+            ("tcp, 2 sockets", TransportKind::Tcp, 2),
+        ] {
+            let got = expect_all(run_threads_configured(
+                n,
+                T,
+                |cfg| BootstrapConfig {
+                    transport,
+                    nsocks,
+                    ..cfg
+                },
+                |c| reductions(&c, 7),
+            ));
+            for (r, g) in got.iter().enumerate() {
+                assert!(
+                    *g == expected(n, r, 7),
+                    "{name}, {n} ranks: rank {r} differs from the rank-order fold"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_default_mode_differs_where_the_deterministic_one_does_not() {
+    // Shows the test above can fail: without the mode, shared memory and TCP (different
+    // schedules) disagree on some bits of a large non-integer sum on 3 ranks.
+    let run = |transport| {
+        expect_all(run_threads_configured(
+            3,
+            T,
+            |cfg| BootstrapConfig { transport, ..cfg },
+            |c| {
+                let mut buf = random(c.rank(), 300_001, 7);
+                c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+                Ok(bits(&buf))
+            },
+        ))
+        .swap_remove(0)
+    };
+    let want = bits(&rank_order_sum(3, 300_001, 7));
+    let (shm, tcp) = (run(TransportKind::Auto), run(TransportKind::Tcp));
+    assert!(
+        shm != want || tcp != want,
+        "both default schedules happened to fold in rank order"
+    );
+}
+
+#[test]
+fn two_hosts_of_two_give_the_bits_of_one_host_of_four() {
+    // 3 MiB: the default would be hierarchical on this layout.
+    let count = 3 << 18;
+    let got = expect_all(run_threads_on_hosts(&["a", "a", "b", "b"], T, |c| {
+        assert_eq!(
+            c.algorithm_for(Collective::AllReduce, count * 4),
+            Algo::Hierarchical
+        );
+        c.set_deterministic(true);
+        let mut buf = random(c.rank(), count, 11);
+        c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        Ok(bits(&buf))
+    }));
+    let want = bits(&rank_order_sum(4, count, 11));
+    assert!(
+        got.iter().all(|g| *g == want),
+        "hierarchical layout changed bits"
+    );
+}
+
+#[test]
+fn bucket_caps_change_no_bit() {
+    // 40 tensors of odd sizes fused with caps of 64 KiB, 1 MiB and 25 MiB: every tensor comes
+    // out with the same bits, equal to its own rank-order fold.
+    let sizes: Vec<usize> = (0..40).map(|k| 1000 + k * 997).collect();
+    let per_cap = |cap: usize| {
+        expect_all(run_threads_configured(
+            3,
+            T,
+            |cfg| cfg,
+            |c| {
+                c.set_deterministic(true);
+                let c = Arc::new(c);
+                let fusion = Fusion::new(
+                    &c,
+                    ReduceOp::Sum,
+                    FusionOptions {
+                        cap_bytes: cap,
+                        first_bucket_bytes: cap,
+                        ..FusionOptions::default()
+                    },
+                );
+                let mut tensors: Vec<Vec<f32>> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &s)| random(c.rank(), s, 100 + k as u64))
+                    .collect();
+                fusion.step(|b| {
+                    for t in tensors.iter_mut().rev() {
+                        b.push(t)?;
+                    }
+                    b.flush();
+                    Ok(())
+                })?;
+                Ok(tensors.iter().map(|t| bits(t)).collect::<Vec<_>>())
+            },
+        ))
+        .swap_remove(0)
+    };
+    let want: Vec<Vec<u32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &s)| bits(&rank_order_sum(3, s, 100 + k as u64)))
+        .collect();
+    for cap in [64 << 10, 1 << 20, 25 << 20] {
+        assert!(per_cap(cap) == want, "bucket cap {cap} changed bits");
+    }
+}
+
+#[test]
+fn half_floats_are_accumulated_in_f32() {
+    // 4 ranks each add 1 + 2^-7 in bf16 (8 fraction bits): rank-order in f32 gives exactly
+    // 4 + 2^-5, which bf16 holds; rounding at each step would lose the fractions.
+    let got = expect_all(run_threads_configured(
+        4,
+        T,
+        |cfg| cfg,
+        |c| {
+            c.set_deterministic(true);
+            let mut buf = vec![bf16::from_f32(1.0 + 1.0 / 128.0); 10];
+            c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            Ok(buf)
+        },
+    ));
+    for g in got {
+        assert!(g.iter().all(|x| x.to_f32() == 4.0 + 4.0 / 128.0), "{g:?}");
+    }
+}
