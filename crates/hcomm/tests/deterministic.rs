@@ -41,10 +41,12 @@ fn reductions(c: &Communicator, seed: u64) -> hcomm::Result<Vec<Vec<u32>>> {
     let (n, r) = (c.world_size(), c.rank());
     let mut out = Vec::new();
     for count in [1, 1000, 300_001] {
-        assert_eq!(
-            c.algorithm_for(Collective::AllReduce, count * 4),
+        let want = if c.has_shared_memory() {
+            Algo::Shm
+        } else {
             Algo::Canonical
-        );
+        };
+        assert_eq!(c.algorithm_for(Collective::AllReduce, count * 4), want);
         let mut buf = random(r, count, seed);
         c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
         out.push(bits(&buf));
@@ -203,20 +205,29 @@ fn bucket_caps_change_no_bit() {
 
 #[test]
 fn half_floats_are_accumulated_in_f32() {
-    // 4 ranks each add 1 + 2^-7 in bf16 (8 fraction bits): rank-order in f32 gives exactly
+    // 4 ranks each add 1 + 2^-7 in bf16 (7 fraction bits): rank-order in f32 gives exactly
     // 4 + 2^-5, which bf16 holds; rounding at each step would lose the fractions.
-    let got = expect_all(run_threads_configured(
-        4,
-        T,
-        |cfg| cfg,
-        |c| {
-            c.set_deterministic(true);
-            let mut buf = vec![bf16::from_f32(1.0 + 1.0 / 128.0); 10];
-            c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-            Ok(buf)
-        },
-    ));
-    for g in got {
-        assert!(g.iter().all(|x| x.to_f32() == 4.0 + 4.0 / 128.0), "{g:?}");
+    for transport in [TransportKind::Auto, TransportKind::Tcp] {
+        // 10 elements (one-shot schedules) and 100,000 (the chunked and reduce-scatter ones).
+        for count in [10, 100_000] {
+            let got = expect_all(run_threads_configured(
+                4,
+                T,
+                |cfg| BootstrapConfig { transport, ..cfg },
+                |c| {
+                    c.set_deterministic(true);
+                    let mut buf = vec![bf16::from_f32(1.0 + 1.0 / 128.0); count];
+                    c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+                    Ok(buf)
+                },
+            ));
+            for g in got {
+                assert!(
+                    g.iter().all(|x| x.to_f32() == 4.0 + 4.0 / 128.0),
+                    "{transport:?}, {count}: {:?}",
+                    &g[..4]
+                );
+            }
+        }
     }
 }

@@ -51,7 +51,13 @@ pub fn select(
     thresholds: &Thresholds,
 ) -> Algo {
     if topology.deterministic && coll.algorithms().contains(&Algo::Canonical) {
-        return Algo::Canonical;
+        // The shared-memory reductions fold in rank order too (with f16/bf16 widened in
+        // deterministic mode), so they give the canonical bits, faster.
+        return if topology.shared_memory {
+            Algo::Shm
+        } else {
+            Algo::Canonical
+        };
     }
     let available = match forced {
         Algo::Shm => topology.shared_memory,
@@ -104,14 +110,19 @@ mod tests {
             hierarchical: true,
             ..TCP
         };
+        let det_tcp = Topology {
+            shared_memory: false,
+            ..det
+        };
         for coll in [
             Collective::AllReduce,
             Collective::ReduceScatter,
             Collective::Reduce,
         ] {
             for bytes in [0, 8, 1 << 20, 64 << 20] {
-                for forced in [Algo::Auto, Algo::Ring, Algo::Shm] {
-                    assert_eq!(select(coll, bytes, forced, &det, &t), Algo::Canonical);
+                for forced in [Algo::Auto, Algo::Ring, Algo::Shm, Algo::RecursiveDoubling] {
+                    assert_eq!(select(coll, bytes, forced, &det, &t), Algo::Shm);
+                    assert_eq!(select(coll, bytes, forced, &det_tcp, &t), Algo::Canonical);
                 }
             }
         }

@@ -63,6 +63,8 @@ pub(crate) struct Call<'a> {
     pub shm: Option<&'a mut crate::shm::ShmGroup>,
     /// Extra fingerprint (e.g. a hash of per-rank counts) that must agree on every rank.
     pub fp_extra: u64,
+    /// Deterministic mode, read in this call's turn.
+    pub deterministic: bool,
 }
 
 impl<'a> std::ops::Deref for Call<'a> {
@@ -88,12 +90,14 @@ impl Call<'_> {
         crate::wire::collective::ShmFingerprint,
     ) {
         let fp = crate::wire::collective::ShmFingerprint::of(&self.run.fp, self.fp_extra);
+        let group = self.shm.as_deref_mut().expect("shared memory group");
+        group.set_canonical(self.deterministic);
         let w = crate::shm::WaitCtx {
             ctx: &self.run.ctx,
             deadline: self.run.deadline,
             timeout: self.run.timeout,
         };
-        (self.shm.as_deref_mut().expect("shared memory group"), w, fp)
+        (group, w, fp)
     }
 }
 
@@ -783,6 +787,7 @@ impl Communicator {
                 },
                 shm: inner.shm.as_mut(),
                 fp_extra: 0,
+                deterministic: self.deterministic.load(Ordering::Relaxed),
             };
             body(&mut call, algo)
         };

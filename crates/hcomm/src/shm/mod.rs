@@ -28,7 +28,7 @@ pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
 
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
-use crate::base::reduce::{finalize_mean, reduce_into, Order};
+use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, Order};
 use crate::base::segments::even_segments;
 use crate::wait::WaitPolicy;
 pub use crate::wire::collective::ShmFingerprint;
@@ -128,6 +128,8 @@ pub struct ShmGroup {
     collectives: u64,
     pidns: u32,
     policy: WaitPolicy,
+    /// Accumulate f16 and bf16 in f32 (deterministic mode; see [`ShmGroup::set_canonical`]).
+    widen_halves: bool,
     abort: Arc<AtomicBool>,
     /// Payload bytes this rank copied into the segment (see [`ShmGroup::bytes_moved`]).
     written: u64,
@@ -205,6 +207,7 @@ impl ShmGroup {
             collectives: 0,
             pidns,
             policy,
+            widen_halves: false,
             abort,
             written: 0,
             read: 0,
@@ -460,8 +463,15 @@ impl ShmGroup {
         acc: &mut [u8],
         dtype: DType,
         op: ReduceOp,
+        widen_halves: bool,
         contribution: impl Fn(usize) -> &'c [u8],
     ) {
+        if widen_halves && matches!(dtype, DType::F16 | DType::BF16) {
+            // The canonical expression of deterministic mode: the same fold, in f32.
+            let parts: Vec<&[u8]> = (0..n).map(contribution).collect();
+            fold_in_order(dtype, op, acc, &parts);
+            return;
+        }
         for p in 0..n {
             if p == 0 {
                 acc.copy_from_slice(contribution(0));
@@ -469,6 +479,14 @@ impl ShmGroup {
                 reduce_into(dtype, op, acc, contribution(p), Order::AccFirst);
             }
         }
+    }
+
+    /// Reductions on this group combine the ranks in rank order always; with `on` they also
+    /// accumulate f16 and bf16 in f32, which makes every element the canonical expression of
+    /// deterministic mode ([`fold_in_order`]), the same bits as the canonical schedules over
+    /// the links.
+    pub fn set_canonical(&mut self, on: bool) {
+        self.widen_halves = on;
     }
 
     /// Barrier.
@@ -510,7 +528,7 @@ impl ShmGroup {
                 // Protocol: slot (p, par) was published by p's arrival, which we awaited; p does
                 // not write it again before we arrive at the next call.
                 let slot = |p: usize| self.seg.view(self.layout.slot(p, par, len), len);
-                Self::reduce_in_rank_order(n, &mut out[..len], dtype, op, slot);
+                Self::reduce_in_rank_order(n, &mut out[..len], dtype, op, self.widen_halves, slot);
                 self.read += (n * len) as u64;
                 if op == ReduceOp::Mean {
                     finalize_mean(dtype, out, n);
@@ -555,7 +573,7 @@ impl ShmGroup {
                         .view(self.layout.staging(p, par) + mine.start, mine.len())
                 }
             };
-            Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
+            Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
             self.read += ((n - 1) * mine.len()) as u64;
             self.written += mine.len() as u64;
             // Phase B: everyone's slice is reduced; copy the others' out.
@@ -774,7 +792,7 @@ impl ShmGroup {
                         self.seg.view(self.layout.staging(p, par) + me * piece, l)
                     }
                 };
-                Self::reduce_in_rank_order(n, acc, dtype, op, contribution);
+                Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
                 let dst = match input {
                     Some(_) => &mut out[o..o + l],
                     None => &mut out[offs[me] + o..offs[me] + o + l],
