@@ -115,3 +115,18 @@ def test_deterministic_reductions_give_the_rank_order_bits(n, mode):
     env = {"HCOMM_DETERMINISTIC": "1"} if mode == "env" else None
     out = run_job(n, [WORKERS / "deterministic.py", mode], env=env)
     assert out.count("deterministic ok") == n
+
+
+@needs_torch
+def test_deterministic_ddp_parameters_do_not_depend_on_buckets_or_hosts():
+    """The issue's acceptance check, scaled down: DDP with bucket caps 0.25, 1, 25 and 100 MiB,
+    on 1 host x 4 ranks and on 2 (claimed) hosts x 2 ranks, ends with one set of bits. Without
+    the mode (measured 2026-12-02) the 2-host job gives other bits than the 1-host one, and
+    its 25 MiB caps other bits than its 1 MiB ones (recursive doubling against ring)."""
+    digests = []
+    for hosts in ("1", "2"):
+        out = run_job(4, [WORKERS / "ddp_deterministic.py"], env={"HCOMM_DETERMINISTIC": "1", "DET_HOSTS": hosts}, timeout=240)
+        found = [line.split(": ")[-1].strip() for line in out.splitlines() if "MiB: " in line]
+        assert len(found) == 4, out
+        digests += found
+    assert len(set(digests)) == 1, digests
