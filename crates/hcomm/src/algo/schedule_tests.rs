@@ -19,20 +19,30 @@ use proptest::prelude::*;
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(10);
-const DTYPES: [DType; 11] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::U32,
-    DType::U64,
-];
+const DTYPES: [DType; 11] = DType::ALL;
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max];
+
+/// The run context of `rank` of `size` over `links`, giving up after `within`.
+fn run_on(
+    links: &mut crate::transport::mem::MemLinks,
+    rank: usize,
+    size: usize,
+    fp: Header,
+    within: Duration,
+) -> Run<'_> {
+    Run {
+        links,
+        rank,
+        size,
+        ctx: OpContext {
+            op: "schedule",
+            seq: fp.seq,
+        },
+        fp,
+        deadline: Instant::now() + within,
+        timeout: within,
+    }
+}
 
 /// Run `body` on `n` ranks of a fresh fabric, each with a [`Run`] whose fingerprint is the
 /// same on every rank, and return every rank's output. Panics naming the rank that failed,
@@ -48,18 +58,7 @@ where
                 let (fabric, body) = (&fabric, &body);
                 s.spawn(move || {
                     let mut links = fabric.links(rank);
-                    let mut run = Run {
-                        links: &mut links,
-                        rank,
-                        size: n,
-                        ctx: OpContext {
-                            op: "schedule",
-                            seq: fp.seq,
-                        },
-                        fp,
-                        deadline: Instant::now() + DEADLINE,
-                        timeout: DEADLINE,
-                    };
+                    let mut run = run_on(&mut links, rank, n, fp, DEADLINE);
                     body(&mut run, rank)
                 })
             })
@@ -413,15 +412,11 @@ fn a_mismatched_call_is_named_not_hung() {
                 s.spawn(move || {
                     let mut links = fabric.links(rank);
                     let count = 4 + rank;
-                    let mut run = Run {
-                        links: &mut links,
+                    let mut run = run_on(
+                        &mut links,
                         rank,
-                        size: 2,
-                        ctx: OpContext {
-                            op: "broadcast",
-                            seq: 1,
-                        },
-                        fp: fp(
+                        2,
+                        fp(
                             Collective::Broadcast,
                             Algo::Tree,
                             DType::U8,
@@ -429,9 +424,8 @@ fn a_mismatched_call_is_named_not_hung() {
                             Some(0),
                             count,
                         ),
-                        deadline: Instant::now() + Duration::from_secs(5),
-                        timeout: Duration::from_secs(5),
-                    };
+                        Duration::from_secs(5),
+                    );
                     tree::broadcast_tree(&mut run, &mut vec![0u8; count], 0)
                 })
             })
@@ -450,15 +444,11 @@ fn a_mismatched_call_is_named_not_hung() {
 fn a_missing_peer_fails_at_the_deadline() {
     let fabric = MemFabric::new(2);
     let mut links = fabric.links(1);
-    let mut run = Run {
-        links: &mut links,
-        rank: 1,
-        size: 2,
-        ctx: OpContext {
-            op: "broadcast",
-            seq: 1,
-        },
-        fp: fp(
+    let mut run = run_on(
+        &mut links,
+        1,
+        2,
+        fp(
             Collective::Broadcast,
             Algo::Tree,
             DType::U8,
@@ -466,9 +456,8 @@ fn a_missing_peer_fails_at_the_deadline() {
             Some(0),
             4,
         ),
-        deadline: Instant::now() + Duration::from_millis(200),
-        timeout: Duration::from_millis(200),
-    };
+        Duration::from_millis(200),
+    );
     let e = tree::broadcast_tree(&mut run, &mut [0u8; 4], 0).unwrap_err();
     assert!(e.is_timeout() && e.to_string().contains("[0]"), "{e}");
 }
