@@ -10,8 +10,10 @@ Importing this module registers it::
 
 It implements allreduce, broadcast, reduce, allgather (and ``all_gather_into_tensor``),
 reduce_scatter (and ``reduce_scatter_tensor``), alltoall (and ``all_to_all_single``), gather,
-scatter, barrier, send and recv on CPU tensors, with the reduce ops SUM, PRODUCT, MIN, MAX and
-AVG. Each process group bootstraps an hcomm communicator through the store torch hands it:
+scatter, barrier, ``monitored_barrier``, send and recv on CPU tensors, with the reduce ops SUM,
+PRODUCT, MIN, MAX, AVG and PREMUL_SUM (hcomm's core reduces them) and BAND, BOR, BXOR (gathered
+and folded here), on hcomm's dtypes, ``torch.bool`` (as uint8) and complex (through its real
+view). Each process group bootstraps an hcomm communicator through the store torch hands it:
 rank 0 of the group starts hcomm's rendezvous on a free port of its own and publishes the
 address there, so the backend never competes with torch's store for ``MASTER_PORT``. The job token
 (``HCOMM_JOB_TOKEN`` / ``HCOMM_TOKEN_FILE``, set by ``hcomm run``) authenticates hcomm's
@@ -22,7 +24,9 @@ With ``async_op=True`` (and for DDP's gradient buckets) allreduce, broadcast,
 all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single run on hcomm's progress
 engine and return at once; their Work completes (and its future is set, by one waiter thread
 per process group) when hcomm is done, in issue order. The other operations run when issued
-and return a completed Work. Non-contiguous tensors go through a contiguous copy.
+and return a completed Work. Non-contiguous tensors go through a contiguous copy. The Work
+handles torch returns answer ``is_completed()``, ``is_success()`` and ``exception()`` from the
+hcomm Work behind them (`_install_work_queries`), and a failed operation fails its future.
 
 :func:`compression_hook` with a :class:`CompressionHookState` is a DDP communication hook that
 all-reduces DDP's gradient buckets with hcomm's compressed all-reduce (fp16, bf16, int8, sign,
@@ -50,14 +54,15 @@ from torch.distributed import ReduceOp
 
 from . import _hcomm
 from ._core import Communicator, CompressionState, Work
-from .errors import InvalidArgumentError
+from .errors import HcommTimeoutError, InvalidArgumentError
 
-__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook"]
+__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "MonitoredBarrierError"]
 
 #: The name to pass to ``init_process_group`` / ``new_group``.
 BACKEND_NAME = "hcomm"
 
-_OPS = {
+#: ReduceOps hcomm's core reduces itself (AVG is its mean).
+_CORE_OPS = {
     ReduceOp.SUM: "sum",
     ReduceOp.PRODUCT: "prod",
     ReduceOp.MIN: "min",
@@ -65,24 +70,182 @@ _OPS = {
     ReduceOp.AVG: "mean",
 }
 
+#: Bitwise ReduceOps: gathered, then folded here (hcomm's core has no bitwise reduction).
+_BITWISE = {
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
+}
+
+#: torch.bool travels as uint8 0/1, where OR is MAX and AND is MIN; SUM and PRODUCT of bools
+#: are OR and AND, as gloo reduces them.
+_BOOL_CORE = {
+    ReduceOp.SUM: "max",
+    ReduceOp.MAX: "max",
+    ReduceOp.BOR: "max",
+    ReduceOp.PRODUCT: "min",
+    ReduceOp.MIN: "min",
+    ReduceOp.BAND: "min",
+}
+
 _STORE_KEY = "hcomm/rendezvous"
 
 
-def _op(opts: Any) -> str:
+class _Reduction:
+    """How one ReduceOp reduces one dtype: by hcomm's core (`core`, an hcomm op name), after
+    multiplying every rank's input by `factor` (PREMUL_SUM), or by gathering every rank's
+    input and folding it here with `local` (bitwise ops)."""
+
+    __slots__ = ("name", "core", "local", "factor")
+
+    def __init__(self, name: str, core: Optional[str] = None, local: Optional[Callable[..., Any]] = None, factor: Any = None) -> None:
+        self.name = name
+        self.core = core
+        self.local = local
+        self.factor = factor
+
+    def scaled(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` times the PREMUL_SUM factor (a new tensor of t's dtype), or `t` itself."""
+        if self.factor is None:
+            return t
+        with torch.no_grad():
+            return (t * self.factor).to(t.dtype)
+
+    def fold(self, rows: torch.Tensor) -> torch.Tensor:
+        """Reduce the rows of a (ranks, n) tensor with `local`."""
+        acc = rows[0].clone()
+        for r in rows[1:]:
+            self.local(acc, r, out=acc)  # type: ignore[misc]
+        return acc
+
+
+def _reduction(opts: Any, dtype: torch.dtype, what: str) -> _Reduction:
+    """The plan for `opts.reduceOp` on `dtype`, or an InvalidArgumentError naming both."""
     red = opts.reduceOp
     kind = getattr(red, "op", red)
-    try:
-        return _OPS[kind]
-    except KeyError:
-        raise InvalidArgumentError(
-            f"hcomm backend: reduce op {kind} is not supported (SUM, PRODUCT, MIN, MAX, AVG are)"
-        ) from None
+    name = f"ReduceOp.{getattr(kind, 'name', kind)}"
+
+    def refuse(why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"hcomm backend: {what} with {name} on {dtype}: {why}")
+
+    if dtype == torch.bool:
+        if kind in _BOOL_CORE:
+            return _Reduction(name, core=_BOOL_CORE[kind])
+        if kind == ReduceOp.BXOR:
+            return _Reduction(name, local=torch.bitwise_xor)
+        raise refuse("bool tensors reduce with SUM, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+    if kind in _BITWISE:
+        if dtype.is_floating_point or dtype.is_complex:
+            raise refuse("bitwise reductions take integer or bool tensors")
+        return _Reduction(name, local=_BITWISE[kind])
+    if dtype.is_complex and kind not in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM):
+        raise refuse("complex tensors reduce with SUM, AVG or PREMUL_SUM")
+    if kind == ReduceOp.PREMUL_SUM:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise refuse("PREMUL_SUM takes floating-point or complex tensors")
+        factor = red.factor
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1 or factor.device.type != "cpu":
+                raise refuse(f"the factor must be one number on the CPU, got a tensor of shape {tuple(factor.shape)} on {factor.device}")
+            factor = factor.reshape(())
+        return _Reduction(name, core="sum", factor=factor)
+    if kind in _CORE_OPS:  # AVG of integers divides the sum as integers do (as NCCL's does)
+        return _Reduction(name, core=_CORE_OPS[kind])
+    raise refuse("not supported (SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM, BAND, BOR, BXOR are)")
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """`t` as hcomm communicates it, sharing its memory: bool as uint8, complex as its real
+    view (two floats per element, as gloo sends it); other dtypes as they are."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    return t
 
 
 def _check_cpu(op: str, tensors: List[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type != "cpu":
             raise InvalidArgumentError(f"hcomm backend: {op} got a tensor on {t.device}; hcomm communicates CPU tensors")
+
+
+# torch wraps the Work a Python backend returns (a PyWorkHolder) and forwards only wait() and
+# get_future() to it: is_completed(), is_success() and exception() of the handle the user gets
+# are the holder's own (never completed). `_install_work_queries` makes those three ask the
+# hcomm Work behind the holder, found through get_future(): asked while `_probe.on` is set,
+# an hcomm Work records itself in `_probe.hit` (and returns a completed future, queueing
+# nothing). Handles of other backends are answered by torch's own methods, as before.
+_probe = threading.local()
+
+
+def _probing(work: Any) -> bool:
+    if getattr(_probe, "on", False):
+        _probe.hit = work
+        return True
+    return False
+
+
+def _hcomm_work_behind(handle: Any) -> Optional[Any]:
+    """The hcomm Work (`_Work` / `_AsyncWork`) behind a torch Work handle, or None."""
+    _probe.on, _probe.hit = True, None
+    try:
+        handle.get_future()
+    except Exception:  # noqa: BLE001 - a backend without futures: not ours
+        return None
+    finally:
+        _probe.on = False
+    hit, _probe.hit = _probe.hit, None
+    return hit
+
+
+def _install_work_queries() -> None:
+    cls = dist._Work
+    if getattr(cls.is_completed, "_hcomm", False):
+        return
+    originals = {name: getattr(cls, name) for name in ("is_completed", "is_success", "exception")}
+
+    def forward(name: str) -> Callable[..., Any]:
+        orig = originals[name]
+
+        def query(self: Any) -> Any:
+            if name == "is_completed" and orig(self):
+                return True
+            mine = _hcomm_work_behind(self)
+            if mine is None:
+                return orig(self)
+            return getattr(mine, name)()
+
+        query.__name__ = name
+        query.__doc__ = orig.__doc__
+        query._hcomm = True  # type: ignore[attr-defined]
+        return query
+
+    for name in originals:
+        setattr(cls, name, forward(name))
+
+
+def _done_future(value: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _unwrap(fut: torch.futures.Future) -> Any:
+    ok, value = fut.value()
+    if ok:
+        return value
+    raise value
+
+
+def _outcome_future() -> "tuple[torch.futures.Future, torch.futures.Future]":
+    """(base, result): set base to (True, value) or (False, exception); result then holds
+    the value, or fails with the exception. torch keeps ``Future.set_exception`` in the Python
+    wrapper of the future, which is lost when the future crosses torch's C++ code (a Work's
+    get_future, DDP's reducer): its ``value()`` would then be the exception object. An error
+    raised in a ``then`` callback is kept by the C++ future itself."""
+    base: torch.futures.Future = torch.futures.Future()
+    return base, base.then(_unwrap)
 
 
 class _Work(dist._Work):
@@ -102,18 +265,33 @@ class _Work(dist._Work):
     def is_success(self) -> bool:
         return True
 
+    def exception(self) -> Optional[BaseException]:
+        return None
+
     def result(self) -> List[torch.Tensor]:
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._outputs)
-        return fut
+        if _probing(self):
+            return _done_future(None)
+        return _done_future(self._outputs)
+
+    def _complete(self, timeout: Optional[float] = None) -> None:
+        pass
+
+
+def _seconds(timeout: Optional[datetime.timedelta]) -> Optional[float]:
+    """A Work.wait timeout in seconds; None for none (torch passes kNoTimeout, -1 ms, or 0)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return s if s > 0 else None
 
 
 class _AsyncWork(dist._Work):
     """An operation running on hcomm's progress engine. ``wait()`` blocks (without the GIL)
-    until hcomm is done; ``get_future()`` is set by the group's waiter thread."""
+    until hcomm is done, then runs `post` (copies out of staging buffers, local reductions);
+    ``get_future()`` is set by the group's waiter thread."""
 
     def __init__(self, waiter: "_Waiter", engine: Any, outputs: List[torch.Tensor], keep: tuple, post: Optional[Callable[[], None]]) -> None:
         super().__init__()
@@ -124,32 +302,54 @@ class _AsyncWork(dist._Work):
         self._post = post
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
+        self._future: Optional[torch.futures.Future] = None
 
-    def _complete(self) -> None:
+    def _complete(self, timeout: Optional[float] = None) -> None:
         with self._lock:
             if self._engine is None:
                 if self._error is not None:
                     raise self._error
                 return
             try:
-                self._engine.wait()
+                self._engine.wait(timeout)
+            except BaseException:
+                if timeout is not None and not self._engine.is_completed():
+                    raise  # the wait's own deadline: the operation goes on
+                self._finish_with_error()
+                raise
+            try:
                 if self._post is not None:
                     self._post()
-            except BaseException as e:
-                self._error = e
+            except BaseException:
+                self._finish_with_error()
                 raise
-            finally:
-                self._engine = None
-                self._keep = ()
-                self._post = None
+            self._engine = None
+            self._keep = ()
+            self._post = None
+
+    def _finish_with_error(self) -> None:
+        import sys
+
+        self._error = sys.exc_info()[1]
+        self._engine = None
+        self._keep = ()
+        self._post = None
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        self._complete()
+        self._complete(_seconds(timeout))
         return True
 
     def is_completed(self) -> bool:
         e = self._engine
-        return e is None or (e.is_completed() and self._post is None)
+        if e is None:
+            return True
+        if not e.is_completed():
+            return False
+        try:
+            self._complete()  # hcomm is done: run the copy-out now (does not block)
+        except BaseException:  # noqa: BLE001 - kept in _error, reported by wait()/exception()
+            pass
+        return True
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -162,8 +362,15 @@ class _AsyncWork(dist._Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._waiter.put(self.result, fut)
+        if _probing(self):
+            return _done_future(None)
+        with self._lock:
+            fut, base = self._future, None
+            if fut is None:
+                base, fut = _outcome_future()
+                self._future = fut
+        if base is not None:  # outside the lock: the waiter may complete it right here
+            self._waiter.put(self.result, base)
         return fut
 
 
@@ -184,7 +391,13 @@ atexit.register(_stop_waiters)
 class _Waiter:
     """A thread that completes torch futures in issue order (hcomm runs the operations in
     that order): one per process group (its async Works) and one per compression hook state
-    (DDP's bucket futures). Every one is stopped at exit (`_stop_waiters`)."""
+    (DDP's bucket futures). Every one is stopped at exit (`_stop_waiters`).
+
+    A future's callbacks (``fut.then(...)``) run on this thread. When one of them issues
+    another operation and asks for its future (PowerSGD's hook does, and waits for it), that
+    future is completed right there, on this thread, instead of being queued behind the
+    callback that waits for it: hcomm's engine runs the operation on its own, so waiting for
+    it here cannot deadlock."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -199,40 +412,53 @@ class _Waiter:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._q.put(None)
-            thread.join(timeout=60)
+            if thread is not threading.current_thread():
+                thread.join(timeout=60)
 
     def put(self, finish: Callable[[], Any], fut: torch.futures.Future) -> None:
-        """Set `fut` to what `finish()` returns (or its exception), after the futures put
-        before it."""
+        """Set `fut` to (True, what `finish()` returns) or (False, its exception), after the
+        futures put before it (at once when called from this waiter's own thread)."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-        self._q.put((finish, fut))
+            if self._thread is threading.current_thread():
+                inline = True
+            else:
+                inline = False
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        if inline:
+            self._settle(finish, fut)
+        else:
+            self._q.put((finish, fut))
+
+    @staticmethod
+    def _settle(finish: Callable[[], Any], fut: torch.futures.Future) -> None:
+        try:
+            result = finish()
+        except BaseException as e:  # noqa: BLE001 - handed to the future's owner
+            fut.set_result((False, e))
+        else:
+            fut.set_result((True, result))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            finish, fut = item
-            try:
-                result = finish()
-            except BaseException as e:  # noqa: BLE001 - handed to the future's owner
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+            self._settle(*item)
 
 
 def _in_place(t: torch.Tensor, f: Any) -> None:
-    """Run `f` on `t`'s memory, through a contiguous copy if `t` is not contiguous."""
-    if t.is_contiguous():
-        f(t)
+    """Run `f` on `t`'s memory as hcomm communicates it (`_wire`), through a contiguous copy if
+    `t` is not contiguous."""
+    w = _wire(t)
+    if w.is_contiguous():
+        f(w)
     else:
-        tmp = t.contiguous()
+        tmp = w.contiguous()
         f(tmp)
         with torch.no_grad():
-            t.copy_(tmp)
+            w.copy_(tmp)
 
 
 def _is_own_block(block: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
@@ -248,7 +474,47 @@ def _is_own_block(block: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1)
+    """`t`'s elements as hcomm communicates them (`_wire`), contiguous and one-dimensional."""
+    return _wire(t.detach().contiguous()).reshape(-1)
+
+
+def _numel(t: torch.Tensor) -> int:
+    """Elements of `t` as hcomm counts them (a complex number is two)."""
+    return t.numel() * (2 if t.is_complex() else 1)
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `_wire` gives a tensor of `dtype`."""
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+class _Engines:
+    """Several Works waited for as one (the coalesced entry points)."""
+
+    def __init__(self, works: List[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        for w in self._works:
+            w._complete(timeout)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+#: Backends alive (until their shutdown). torch keeps only the C++ side of a Python backend
+#: it wraps (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every one in a ProcessGroupWrapper): without
+#: this reference the Python object goes, and every call on the C++ side falls through to
+#: torch's base class ("getBackendName is not implemented").
+_LIVE: "dict[int, HcommBackend]" = {}
+
+
+class MonitoredBarrierError(HcommTimeoutError):
+    """``monitored_barrier`` failed: ``peers`` are the ranks that did not arrive in time (on
+    rank 0), or rank 0 (on the others)."""
+
 
 
 def _advertised_address() -> str:
@@ -303,29 +569,54 @@ class HcommBackend(_C10dBackend):
         super().__init__(rank, size)
         self._options = _C10dBackend.Options(BACKEND_NAME, timeout=timeout)
         self.comm = comm if comm is not None else _bootstrap(store, rank, size, timeout)
+        self._store = store
         self._waiter = _Waiter("hcomm-torch-waiter")
+        self._barriers = 0  # monitored barriers so far (their store keys)
+        self._seq = 0  # operations so far (_get_sequence_number_for_group)
+        _LIVE[id(self)] = self
 
     @property
     def _c(self) -> Any:
         # Looked up on every call, so that a destroyed communicator is refused here too.
         return self.comm._c
 
-    def _run(self, opts: Any, out: torch.Tensor, keep: tuple, call: Callable[[torch.Tensor, bool], Any]) -> dist._Work:
-        """Run `call(buffer, async_op)` writing `out` (through a contiguous copy if `out` is
-        not contiguous); asynchronously when the caller asked for it."""
+    def _run(
+        self,
+        opts: Any,
+        out: torch.Tensor,
+        call: Callable[[torch.Tensor, bool], Any],
+        after: Optional[Callable[[torch.Tensor], None]] = None,
+        result: Optional[List[torch.Tensor]] = None,
+    ) -> dist._Work:
+        """Run `call(buffer, async_op)`, where buffer is `out` as hcomm communicates it
+        (`_wire`; a contiguous copy if `out` is not contiguous), then `after(buffer)` (a
+        local fold), then copy the buffer into `out` if it is a copy; asynchronously when the
+        caller asked for it. The Work's result is `result` (default: [out])."""
         buf = out if out.is_contiguous() else out.contiguous()
+        w = _wire(buf)
+        res = [out] if result is None else result
 
         def post() -> None:
             with torch.no_grad():
-                out.copy_(buf)
+                if after is not None:
+                    after(w)
+                if buf is not out:
+                    out.copy_(buf)
 
+        needs_post = after is not None or buf is not out
         if not getattr(opts, "asyncOp", False):
-            call(buf, False)
-            if buf is not out:
+            call(w, False)
+            if needs_post:
                 post()
-            return _Work([out])
-        engine = call(buf, True)
-        return _AsyncWork(self._waiter, engine, [out], keep + (buf,), post if buf is not out else None)
+            return _Work(res)
+        engine = call(w, True)
+        return _AsyncWork(self._waiter, engine, res, (buf,), post if needs_post else None)
+
+    def _coalesced(self, works: List[Any], outputs: List[torch.Tensor]) -> dist._Work:
+        """One Work for several (``*_coalesced``): complete when all are."""
+        if all(isinstance(w, _Work) for w in works):
+            return _Work(outputs)
+        return _AsyncWork(self._waiter, _Engines(works), outputs, (), None)
 
     @property
     def options(self) -> Any:
@@ -344,127 +635,189 @@ class HcommBackend(_C10dBackend):
 
     # -- collectives -----------------------------------------------------------------------
 
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> dist._Work:
         _check_cpu("allreduce", tensors)
-        op = _op(opts)
         if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, op)
+            red = _reduction(opts, tensors[0].dtype, "allreduce")
+            return self._sparse_allreduce(tensors, red)
+        plans = [_reduction(opts, t.dtype, "allreduce") for t in tensors]  # all refused first
         if len(tensors) == 1:
-            return self._run(opts, tensors[0], (), lambda b, a: self._c.all_reduce(None, b, op, a))
-        for t in tensors:
-            _in_place(t, lambda b: self._c.all_reduce(None, b, op))
+            return self._allreduce_one(opts, tensors[0], plans[0])
+        for t, red in zip(tensors, plans):
+            self._allreduce_one(None, t, red)
         return _Work(tensors)
 
-    def _sparse_allreduce(self, tensors: List[torch.Tensor], op: str) -> _Work:
+    def _allreduce_one(self, opts: Any, t: torch.Tensor, red: _Reduction) -> dist._Work:
+        c = self._c
+        if red.local is not None:  # bitwise: gather every rank's tensor, fold here
+            rows = torch.empty(self.size(), _numel(t), dtype=_wire_dtype(t.dtype))
+            return self._run(
+                opts,
+                t,
+                lambda w, a: c.all_gather(w.reshape(-1), rows.view(-1), None, a),
+                after=lambda w: w.view(-1).copy_(red.fold(rows)),
+            )
+        if red.factor is not None:
+
+            def premul(w: torch.Tensor, a: bool) -> Any:
+                with torch.no_grad():
+                    w.mul_(red.factor)  # the buffer is overwritten by the sum anyway
+                return c.all_reduce(None, w, "sum", a)
+
+            return self._run(opts, t, premul)
+        return self._run(opts, t, lambda w, a: c.all_reduce(None, w, red.core, a))
+
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], red: _Reduction) -> _Work:
         """Sparse tensors (an ``nn.Embedding(sparse=True)`` gradient under DDP): hcomm's sparse
         all-reduce, which moves only the rows (like gloo's). Each input is replaced by the
         coalesced result, which is also the work's result (what DDP's reducer reads)."""
-        if op not in ("sum", "mean"):
-            raise InvalidArgumentError(f"hcomm backend: sparse allreduce sums or averages, not {op}")
+        if red.core not in ("sum", "mean") or red.factor is not None:
+            raise InvalidArgumentError(f"hcomm backend: sparse allreduce sums or averages, not {red.name}")
         if not all(t.is_sparse for t in tensors):
             raise InvalidArgumentError("hcomm backend: allreduce got sparse and dense tensors together")
         out = []
         for t in tensors:
-            res = self.comm.sparse_all_reduce(t, op=op)
+            res = self.comm.sparse_all_reduce(t, op=red.core)
             with torch.no_grad():
                 t.copy_(res)
             out.append(res)
         return _Work(out)
 
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> dist._Work:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> dist._Work:
         _check_cpu("broadcast", tensors)
+        c = self._c
         if len(tensors) == 1:
-            return self._run(opts, tensors[0], (), lambda b, a: self._c.broadcast(b, opts.rootRank, a))
+            return self._run(opts, tensors[0], lambda w, a: c.broadcast(w, opts.rootRank, a))
         for t in tensors:
-            _in_place(t, lambda b: self._c.broadcast(b, opts.rootRank))
+            _in_place(t, lambda b: c.broadcast(b, opts.rootRank))
         return _Work(tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("reduce", tensors)
-        op = _op(opts)
-        for t in tensors:
-            _in_place(t, lambda b: self._c.reduce(None, b, op, opts.rootRank))
+        c, root = self._c, opts.rootRank
+        plans = [_reduction(opts, t.dtype, "reduce") for t in tensors]
+        for t, red in zip(tensors, plans):
+            if red.local is not None:  # bitwise: gather onto the root, fold there
+                send = _flat(t)
+                if self.rank() != root:
+                    c.gather(send, None, root)
+                    continue
+                rows = torch.empty(self.size() * send.numel(), dtype=send.dtype)
+                c.gather(send, rows, root)
+                folded = red.fold(rows.view(self.size(), -1))
+                _in_place(t, lambda b: b.view(-1).copy_(folded))
+            elif red.factor is not None:  # scale a copy: a non-root's tensor stays as it was
+                send = _flat(red.scaled(t))
+                if self.rank() == root:
+                    _in_place(t, lambda b: c.reduce(send, b, "sum", root))
+                else:
+                    c.reduce(send, None, "sum", root)
+            else:
+                _in_place(t, lambda b: c.reduce(None, b, red.core, root))
         return _Work(tensors)
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("allgather", inputs)
         for outs, inp in zip(output_lists, inputs):
             _check_cpu("allgather", outs)
-            counts = [o.numel() for o in outs]
-            flat = torch.empty(sum(counts), dtype=inp.dtype)
+            counts = [_numel(o) for o in outs]
+            flat = torch.empty(sum(counts), dtype=_wire_dtype(inp.dtype))
             self._c.all_gather(_flat(inp), flat, counts)
             with torch.no_grad():
                 for o, part in zip(outs, flat.split(counts)):
-                    o.copy_(part.view_as(o))
+                    w = _wire(o)
+                    w.copy_(part.view(w.shape))
         return _Work([o for outs in output_lists for o in outs])
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
         return self.allgather(output_lists, inputs, opts)
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> _Work:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist._Work:
         _check_cpu("all_gather_into_tensor", [output, inp])
+        c = self._c
         src = _flat(inp)
-        if _is_own_block(src, output, self.rank()):  # in place (FSDP's usage)
-            return self._run(opts, output, (), lambda b, a: self._c.all_gather(None, b, None, a))
-        return self._run(opts, output, (src,), lambda b, a: self._c.all_gather(src, b, None, a))
+        if _is_own_block(src, _wire(output), self.rank()):  # in place (FSDP's usage)
+            return self._run(opts, output, lambda w, a: c.all_gather(None, w, None, a))
+        return self._run(opts, output, lambda w, a: c.all_gather(src, w, None, a))
 
-    def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> _Work:
-        for o, i in zip(outputs, inputs):
-            self.all_gather_single(o, i, opts)
-        return _Work(outputs)
+    def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> dist._Work:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._coalesced(works, outputs)
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> dist._Work:
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> _Work:
         _check_cpu("reduce_scatter", outputs)
-        op = _op(opts)
-        for out, ins in zip(outputs, input_lists):
+        c, n, me = self._c, self.size(), self.rank()
+        plans = [_reduction(opts, o.dtype, "reduce_scatter") for o in outputs]
+        for out, ins, red in zip(outputs, input_lists, plans):
             _check_cpu("reduce_scatter", ins)
-            flat = torch.cat([_flat(t) for t in ins])
-            counts = [t.numel() for t in ins]
-            _in_place(out, lambda b: self._c.reduce_scatter(flat, b, op, counts))
+            counts = [_numel(t) for t in ins]
+            flat = torch.cat([_flat(red.scaled(t)) for t in ins])
+            if red.local is None:
+                _in_place(out, lambda b: c.reduce_scatter(flat, b, red.core, counts))
+            else:  # bitwise: every rank's block for this rank comes here, folded here
+                recv = torch.empty(n * counts[me], dtype=flat.dtype)
+                c.all_to_all(flat, recv, counts, [counts[me]] * n)
+                folded = red.fold(recv.view(n, -1))
+                _in_place(out, lambda b: b.view(-1).copy_(folded))
         return _Work(outputs)
 
-    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> _Work:
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist._Work:
         _check_cpu("reduce_scatter_tensor", [output, inp])
-        op = _op(opts)
-        src = _flat(inp)
-        if _is_own_block(output, inp, self.rank()) and inp.is_contiguous():  # in place
-            work = self._run(opts, inp, (), lambda b, a: self._c.reduce_scatter(None, b, op, None, a))
-            work._outputs = [output]
-            return work
-        return self._run(opts, output, (src,), lambda b, a: self._c.reduce_scatter(src, b, op, None, a))
+        c, n = self._c, self.size()
+        red = _reduction(opts, output.dtype, "reduce_scatter_tensor")
+        if red.local is not None:  # bitwise: all-to-all the blocks, fold this rank's
+            src = _flat(inp)
+            recv = torch.empty(src.numel(), dtype=src.dtype)
+            return self._run(
+                opts,
+                output,
+                lambda w, a: c.all_to_all(src, recv, None, None, a),
+                after=lambda w: w.view(-1).copy_(red.fold(recv.view(n, -1))),
+            )
+        if red.factor is None and inp.is_contiguous() and _is_own_block(_wire(output), _wire(inp), self.rank()):
+            # in place: the result lands in this rank's block of the input
+            return self._run(opts, inp, lambda w, a: c.reduce_scatter(None, w, red.core, None, a), result=[output])
+        src = _flat(red.scaled(inp))
+        return self._run(opts, output, lambda w, a: c.reduce_scatter(src, w, red.core, None, a))
 
-    def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> _Work:
-        for o, i in zip(outputs, inputs):
-            self.reduce_scatter_single(o, i, opts)
-        return _Work(outputs)
+    def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> dist._Work:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._coalesced(works, outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> dist._Work:
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("alltoall", outputs + inputs)
         send = torch.cat([_flat(t) for t in inputs]) if inputs else torch.empty(0)
-        rcounts = [t.numel() for t in outputs]
+        rcounts = [_numel(t) for t in outputs]
         recv = torch.empty(sum(rcounts), dtype=send.dtype)
-        self._c.all_to_all(send, recv, [t.numel() for t in inputs], rcounts)
+        self._c.all_to_all(send, recv, [_numel(t) for t in inputs], rcounts)
         with torch.no_grad():
             for o, part in zip(outputs, recv.split(rcounts)):
-                o.copy_(part.view_as(o))
+                w = _wire(o)
+                w.copy_(part.view(w.shape))
         return _Work(outputs)
 
-    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: List[int], input_split_sizes: List[int], opts: Any) -> _Work:
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: List[int], input_split_sizes: List[int], opts: Any) -> dist._Work:
         _check_cpu("all_to_all_single", [output, inp])
-        n = self.size()
+        c, n = self._c, self.size()
         src = _flat(inp)
         if not output_split_sizes and not input_split_sizes:
-            return self._run(opts, output, (src,), lambda b, a: self._c.all_to_all(src, b, None, None, a))
-        in_row = inp.numel() // inp.size(0) if inp.dim() and inp.size(0) else 1
-        out_row = output.numel() // output.size(0) if output.dim() and output.size(0) else 1
+            return self._run(opts, output, lambda w, a: c.all_to_all(src, w, None, None, a))
+        in_row = _numel(inp) // inp.size(0) if inp.dim() and inp.size(0) else 1
+        out_row = _numel(output) // output.size(0) if output.dim() and output.size(0) else 1
         isz = list(input_split_sizes) or [inp.size(0) // n] * n
         osz = list(output_split_sizes) or [output.size(0) // n] * n
         sc = [s * in_row for s in isz]
         rc = [s * out_row for s in osz]
-        return self._run(opts, output, (src,), lambda b, a: self._c.all_to_all(src, b, sc, rc, a))
+        return self._run(opts, output, lambda w, a: c.all_to_all(src, w, sc, rc, a))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("gather", inputs)
@@ -472,30 +825,80 @@ class HcommBackend(_C10dBackend):
         for i, inp in enumerate(inputs):
             if self.rank() == root:
                 outs = output_lists[i]
-                counts = [o.numel() for o in outs]
-                flat = torch.empty(sum(counts), dtype=inp.dtype)
+                counts = [_numel(o) for o in outs]
+                flat = torch.empty(sum(counts), dtype=_wire_dtype(inp.dtype))
                 self._c.gather(_flat(inp), flat, root, counts)
                 with torch.no_grad():
                     for o, part in zip(outs, flat.split(counts)):
-                        o.copy_(part.view_as(o))
+                        w = _wire(o)
+                        w.copy_(part.view(w.shape))
             else:
                 self._c.gather(_flat(inp), None, root)
         return _Work([o for outs in output_lists for o in outs])
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> _Work:
         _check_cpu("scatter", outputs)
-        root = opts.rootRank
+        c, root = self._c, opts.rootRank
         for i, out in enumerate(outputs):
             if self.rank() == root:
                 flat = torch.cat([_flat(t) for t in input_lists[i]])
-                _in_place(out, lambda b: self._c.scatter(flat, b, root))
+                _in_place(out, lambda b: c.scatter(flat, b, root))
             else:
-                _in_place(out, lambda b: self._c.scatter(None, b, root))
+                _in_place(out, lambda b: c.scatter(None, b, root))
         return _Work(outputs)
 
     def barrier(self, opts: Any = None) -> _Work:
         self._c.barrier()
         return _Work([])
+
+    def monitored_barrier(self, opts: Any, wait_all_ranks: bool = False) -> None:
+        """gloo's monitoredBarrier, through torch's store (so that a rank that does not come
+        leaves hcomm's communicator as it was): every rank but 0 checks in and waits for rank
+        0's release; rank 0 waits for each rank in turn, until `opts.timeout` after it came.
+        A rank that did not check in by then is named: at once (the first one), or, with
+        `wait_all_ranks`, all of them together. Raises :class:`MonitoredBarrierError`."""
+        import time
+
+        if self._store is None:
+            raise InvalidArgumentError("hcomm backend: monitored_barrier needs the store torch gives the backend")
+        timeout = opts.timeout if isinstance(opts.timeout, datetime.timedelta) else self._options._timeout
+        ms = int(timeout.total_seconds() * 1000)
+        seq, self._barriers = self._barriers, self._barriers + 1
+        key = f"hcomm/monitored_barrier/{seq}/"
+        me, n, store = self.rank(), self.size(), self._store
+        if me != 0:
+            store.set(key + str(me), b"1")
+            try:
+                store.wait([key + "release"], timeout)
+            except RuntimeError as e:
+                err = MonitoredBarrierError(
+                    f"[Rank {me}]: rank 0 did not release monitoredBarrier in {ms} ms (it names the ranks that failed to pass)"
+                )
+                err.peers, err.op = (0,), "monitored_barrier"
+                raise err from e
+            return
+        deadline = time.monotonic() + timeout.total_seconds()
+        missing = []
+        for r in range(1, n):
+            left = deadline - time.monotonic()
+            try:
+                if left > 0:
+                    store.wait([key + str(r)], datetime.timedelta(seconds=left))
+                elif not store.check([key + str(r)]):
+                    raise RuntimeError("deadline passed")
+            except RuntimeError as e:
+                if not wait_all_ranks:
+                    err = MonitoredBarrierError(f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms")
+                    err.peers, err.op = (r,), "monitored_barrier"
+                    raise err from e
+                missing.append(r)
+        if missing:
+            err = MonitoredBarrierError(
+                f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms"
+            )
+            err.peers, err.op = tuple(missing), "monitored_barrier"
+            raise err
+        store.set(key + "release", b"1")
 
     # -- point-to-point --------------------------------------------------------------------
 
@@ -518,7 +921,36 @@ class HcommBackend(_C10dBackend):
         self._c.abort()
 
     def shutdown(self) -> None:
-        pass
+        _LIVE.pop(id(self), None)
+
+    # -- sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL checks them across the ranks) -------
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._seq = 0
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self._seq
+
+
+def _counted(f: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: HcommBackend, *args: Any, **kwargs: Any) -> Any:
+        self._seq += 1
+        return f(self, *args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = f.__name__, f.__qualname__, f.__doc__
+    return call
+
+
+# Every operation torch issues counts one (as gloo counts them), whichever way it runs.
+for _name in (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
+    "all_gather_single", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single_coalesced", "alltoall", "all_to_all_single", "gather", "scatter",
+    "barrier", "monitored_barrier", "send", "recv",
+):  # fmt: skip
+    setattr(HcommBackend, _name, _counted(getattr(HcommBackend, _name)))
+del _name
 
 
 def communicator_of(group: Any = None) -> Communicator:
@@ -526,6 +958,8 @@ def communicator_of(group: Any = None) -> Communicator:
     (default: the default group)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = pg._get_backend(torch.device("cpu"))
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend (a ProcessGroupWrapper)
+    backend = getattr(backend, "wrapped_pg", backend)
     if not isinstance(backend, HcommBackend):
         raise InvalidArgumentError(f"the process group's CPU backend is {type(backend).__name__}, not hcomm")
     return backend.comm
@@ -619,13 +1053,13 @@ def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.
     else:
         st = state.state_for(bucket.index(), buf.numel())
         work = comm.all_reduce_compressed_async(buf, state=st, op="mean")
-    fut: torch.futures.Future = torch.futures.Future()
+    base, fut = _outcome_future()
 
     def finish() -> torch.Tensor:
         work.wait()
         return buf
 
-    state._waiter.put(finish, fut)
+    state._waiter.put(finish, base)
     return fut
 
 
@@ -644,3 +1078,4 @@ def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Hc
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+_install_work_queries()
