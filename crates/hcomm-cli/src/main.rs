@@ -73,6 +73,9 @@ struct RunArgs {
     /// Milliseconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 3000)]
     grace_ms: u64,
+    /// A rank killed by a signal does not stop the others (fault-tolerant programs that shrink).
+    #[arg(long)]
+    keep_going: bool,
     /// Master port (alternative to --master).
     #[arg(long)]
     port: Option<u16>,
@@ -302,6 +305,7 @@ fn cmd_run(a: RunArgs) -> ExitCode {
     spec.node_rank = a.node_rank;
     spec.prefix_output = !a.no_prefix;
     spec.grace = Duration::from_millis(a.grace_ms);
+    spec.keep_going = a.keep_going;
     spec.master_port = a.port;
     if let Some(m) = a.master {
         match m

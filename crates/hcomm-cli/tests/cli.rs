@@ -288,6 +288,32 @@ fn run_propagates_the_exit_code_of_a_failing_rank() {
 }
 
 #[test]
+fn run_keep_going_lets_the_others_finish_when_a_rank_is_killed() {
+    // Rank 1 is killed by a signal; with --keep-going the others run to their end (and their
+    // exit code decides), without it they are stopped and the job fails with 128 + 9.
+    let script = "if [ $HCOMM_RANK = 1 ]; then kill -9 $$; fi; sleep 1; echo finished $HCOMM_RANK";
+    let (code, out, err) = hcomm(
+        &["run", "--keep-going", "-n", "3", "--", "sh", "-c", script],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        err.contains("rank 1 was killed by signal SIGKILL; the others go on"),
+        "{err}"
+    );
+    assert!(
+        out.contains("finished 0") && out.contains("finished 2"),
+        "{out}"
+    );
+    let (code, out, _) = hcomm(
+        &["run", "-n", "3", "--", "sh", "-c", script],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(137), "{out}");
+    assert!(!out.contains("finished"), "{out}");
+}
+
+#[test]
 fn bad_input_is_rejected_with_a_message() {
     let (code, _, err) = hcomm(
         &["bench", "allreduce", "-np", "2", "-d", "complex"],

@@ -97,6 +97,10 @@ pub struct LaunchSpec {
     pub prefix_output: bool,
     /// Time between SIGTERM and SIGKILL when stopping ranks (default 3 s).
     pub grace: Duration,
+    /// A rank killed by a signal does not stop the others, nor set the exit code (default
+    /// false): for fault-tolerant programs whose survivors go on without it
+    /// (`Communicator::shrink`). A rank that exits with a non-zero code still sets it.
+    pub keep_going: bool,
 }
 
 impl Default for LaunchSpec {
@@ -112,6 +116,7 @@ impl Default for LaunchSpec {
             extra_env: Vec::new(),
             prefix_output: true,
             grace: DEFAULT_GRACE,
+            keep_going: false,
         }
     }
 }
@@ -677,6 +682,14 @@ fn supervise(
                 }
                 r.exit = Some(exit);
                 running -= 1;
+                if spec.keep_going && matches!(exit, Exit::Signal(_)) && !stopping {
+                    err.message(&format!(
+                        "rank {} {}; the others go on (--keep-going)",
+                        r.rank,
+                        exit.describe()
+                    ));
+                    continue;
+                }
                 if exit.code() != 0 && !stopping {
                     stopping = true;
                     result = exit.code();

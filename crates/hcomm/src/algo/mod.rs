@@ -11,6 +11,7 @@
 //!   bits; the `n - 2^k` extra ranks are folded in first (rank `2i` into `2i + 1`);
 //! * binomial tree and chain (reduce): in virtual-rank order counted from the root.
 
+pub mod agree;
 pub mod basic;
 pub mod canonical;
 pub mod ring;

@@ -136,6 +136,17 @@ pub enum Error {
         /// Where.
         ctx: OpContext,
     },
+    /// The communicator was revoked ([`Communicator::revoke`](crate::Communicator::revoke),
+    /// or a [`shrink`](crate::Communicator::shrink) started): every operation in flight or
+    /// started later on it, on every rank, fails with this. Build a working communicator of
+    /// the ranks that are left with [`shrink`](crate::Communicator::shrink).
+    #[error("{ctx}: communicator was revoked by rank {by}; shrink() makes a working one of the ranks that are left")]
+    Revoked {
+        /// Where.
+        ctx: OpContext,
+        /// The rank that revoked it.
+        by: usize,
+    },
     /// [`Work::wait_timeout`](crate::Work::wait_timeout) gave up before the operation
     /// finished. Not fatal: the operation is still in flight; wait again, or `abort()`.
     #[error("{op}: still in flight after waiting {waited:?}")]
@@ -220,8 +231,14 @@ impl Error {
             Error::Io { peer, .. } => (*peer, AbortReason::Other),
             Error::Remote { culprit, .. } => (*culprit, AbortReason::Relayed),
             Error::Aborted { .. } => (None, AbortReason::Aborted),
+            Error::Revoked { by, .. } => (Some(*by), AbortReason::Revoked),
             _ => (None, AbortReason::Other),
         }
+    }
+
+    /// True if the communicator was revoked.
+    pub fn is_revoked(&self) -> bool {
+        matches!(self, Error::Revoked { .. })
     }
 
     /// True if this is a timeout.
@@ -248,6 +265,8 @@ pub(crate) enum AbortReason {
     Relayed = 6,
     /// Anything else.
     Other = 7,
+    /// The communicator was revoked (the culprit is the rank that revoked it).
+    Revoked = 8,
 }
 
 impl AbortReason {
@@ -259,6 +278,7 @@ impl AbortReason {
             4 => AbortReason::Protocol,
             5 => AbortReason::Aborted,
             6 => AbortReason::Relayed,
+            8 => AbortReason::Revoked,
             _ => AbortReason::Other,
         }
     }
@@ -270,6 +290,12 @@ impl AbortReason {
         reporter: usize,
         culprit: Option<usize>,
     ) -> Error {
+        if self == AbortReason::Revoked {
+            return Error::Revoked {
+                ctx,
+                by: culprit.unwrap_or(reporter),
+            };
+        }
         let what = match (self, culprit) {
             (AbortReason::PeerGone, Some(c)) => format!("rank {c} died or closed its connection"),
             (AbortReason::Timeout, Some(c)) => format!("timed out waiting for rank {c}"),

@@ -197,8 +197,8 @@ impl Communicator {
         )
         .map_err(|e| Error::Config(format!("cannot start accepting data links: {e}")))?;
         let (listen_addr, link_counters) = (links.listen_addr(), links.counters());
-        let aborted = Arc::new(AtomicBool::new(false));
-        links.set_abort_flag(aborted.clone());
+        let aborted = links.abort_flag();
+        let (revocation, notifier) = (links.revocation(), links.notifier());
         links.set_socket_buf(tuning.socket_buf);
         let shm = if transport != TransportKind::Tcp && size > 1 && local.len() == size {
             setup_shm(
@@ -263,6 +263,9 @@ impl Communicator {
             ),
             thresholds: Thresholds::default(),
             aborted,
+            revocation,
+            notifier,
+            listen_ip: ip,
             inner: Mutex::new(Inner {
                 links,
                 seq: 0,
@@ -270,6 +273,7 @@ impl Communicator {
                 algo: tuning.algo.clone(),
                 logged: [0; 16],
                 splits: 0,
+                grows: 0,
                 groups: HashMap::new(),
                 open_conns: HashSet::new(),
                 p2p_ids: vec![0; size],

@@ -24,9 +24,11 @@ mod asynchronous;
 mod build;
 mod collectives;
 mod groups;
+mod grow;
 mod join;
 mod p2p;
 mod shm_setup;
+mod shrink;
 pub mod traffic;
 pub(crate) mod window;
 
@@ -109,6 +111,8 @@ pub(crate) struct Inner {
     /// Which (collective, algorithm) choices were logged at info level already (bit per algorithm).
     logged: [u16; 16],
     splits: u64,
+    /// Grows started on this communicator (part of the grown communicators' names).
+    grows: u64,
     groups: HashMap<Vec<usize>, u64>,
     open_conns: HashSet<(usize, u32)>,
     /// Id of the last point-to-point message sent to each peer.
@@ -154,6 +158,12 @@ pub struct Communicator {
     timeout_ns: std::sync::atomic::AtomicU64,
     thresholds: Thresholds,
     aborted: Arc<AtomicBool>,
+    /// Which rank revoked this communicator (set by a peer's notice, whatever this rank does).
+    revocation: Arc<crate::transport::tcp::Revocation>,
+    /// Sends the revocation notices ([`Communicator::revoke`]).
+    notifier: crate::transport::tcp::recovery::Notifier,
+    /// The address this rank's links listen on (shrunk communicators listen there too).
+    listen_ip: std::net::IpAddr,
     inner: Mutex<Inner>,
     /// Keeps rank 0's store alive as long as any communicator of the job on this rank is.
     _server: Option<Arc<StoreServer>>,
@@ -598,7 +608,11 @@ impl Communicator {
         if self.aborted.load(Ordering::SeqCst) {
             // Fails like an abort seen in flight: the first time, the peers are told (a rank
             // waiting on this one fails now, not at its deadline) and the call is recorded.
-            let r: Result<()> = Self::finish(&mut inner, false, Err(Error::Aborted { ctx }));
+            let e = match self.revocation.revoked_by() {
+                Some(by) => Error::Revoked { ctx, by },
+                None => Error::Aborted { ctx },
+            };
+            let r: Result<()> = Self::finish(&mut inner, false, Err(e));
             return Err(r.expect_err("an abort is an error"));
         }
         if let Some(first) = &inner.poisoned {
@@ -641,6 +655,19 @@ impl Communicator {
         if collective {
             inner.seq += 1;
         }
+        // An abort seen in flight is a revocation when someone revoked; a revocation heard
+        // from a peer's links is recorded, so that later calls say so too.
+        let r = match r {
+            Err(Error::Aborted { ctx }) => match inner.links.revocation().revoked_by() {
+                Some(by) => Err(Error::Revoked { ctx, by }),
+                None => Err(Error::Aborted { ctx }),
+            },
+            Err(Error::Revoked { ctx, by }) => {
+                inner.links.revocation().revoke(by);
+                Err(Error::Revoked { ctx, by })
+            }
+            r => r,
+        };
         if let Some(report) = inner.history.end(r.as_ref().map(|_| ())) {
             tracing::error!("{report}");
         }

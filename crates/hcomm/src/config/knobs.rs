@@ -124,7 +124,9 @@ pub const FAULT_INJECT: Knob = Knob {
     var: "HCOMM_FAULT_INJECT",
     accepts: Accepts::Text,
     default: KnobDefault::Described("unset"),
-    doc: "`corrupt-one`: the last rank flips one bit of every collective result",
+    doc: "`corrupt-one`: the last rank flips one bit of every collective result; \
+          `die-in-shrink-setup`: this process kills itself (SIGKILL) while a shrunk \
+          communicator is being set up",
 };
 
 /// `HCOMM_DETERMINISTIC`.
@@ -257,6 +259,9 @@ pub struct Tuning {
     /// `HCOMM_FAULT_INJECT=corrupt-one`: the last rank flips one bit of every collective
     /// result (a test hook, to prove that checks catch wrong results).
     pub corrupt_one: bool,
+    /// `HCOMM_FAULT_INJECT=die-in-shrink-setup`: this process kills itself (SIGKILL) after it
+    /// joined the store of a shrunk communicator (a test hook for the fault matrix).
+    pub die_in_shrink_setup: bool,
     /// `HCOMM_DETERMINISTIC=1`: all-reduce, reduce-scatter and reduce combine the ranks'
     /// contributions in rank order (f16 and bf16 accumulated in f32) whatever the size,
     /// transport or layout ([`crate::algo::canonical`]).
@@ -272,6 +277,7 @@ impl Default for Tuning {
             socket_buf: 0,
             algo: HashMap::new(),
             corrupt_one: false,
+            die_in_shrink_setup: false,
             deterministic: false,
         }
     }
@@ -301,14 +307,15 @@ impl Tuning {
             }
             None => HashMap::new(),
         };
-        let corrupt_one = match vars.get(FAULT_INJECT.var) {
-            None => false,
-            Some(v) if v == "corrupt-one" => true,
+        let (corrupt_one, die_in_shrink_setup) = match vars.get(FAULT_INJECT.var).as_deref() {
+            None => (false, false),
+            Some("corrupt-one") => (true, false),
+            Some("die-in-shrink-setup") => (false, true),
             Some(v) => {
                 return Err(ConfigError::Tuning {
                     message: format!(
-                        "{}={v}: the only fault is corrupt-one (the last rank flips a bit of \
-                         every collective result)",
+                        "{}={v}: the faults are corrupt-one (the last rank flips a bit of \
+                         every collective result) and die-in-shrink-setup",
                         FAULT_INJECT.var
                     ),
                 })
@@ -330,6 +337,7 @@ impl Tuning {
             socket_buf,
             algo,
             corrupt_one,
+            die_in_shrink_setup,
             deterministic,
         })
     }
@@ -452,7 +460,7 @@ mod tests {
             (
                 "HCOMM_FAULT_INJECT",
                 "bogus",
-                "HCOMM_FAULT_INJECT=bogus: the only fault is corrupt-one",
+                "HCOMM_FAULT_INJECT=bogus: the faults are corrupt-one",
             ),
             ("HCOMM_ALGO", "allreduce=bogus", "HCOMM_ALGO: "),
             (

@@ -545,6 +545,43 @@ impl BootstrapConfig {
         Self::from_vars(env_var)
     }
 
+    /// The configuration of a process joining a communicator that grows
+    /// (`Communicator::join_grown`): the environment's settings (job token, timeout,
+    /// transport, interface, host id, sockets per peer) with the grow rendezvous `addr`
+    /// (`HOST:PORT`, what the communicator's `grow` was given) as the master. Its rank and
+    /// world size come from the communicator it joins; launcher variables are ignored.
+    pub fn for_joining(addr: &str) -> Result<Self, ConfigError> {
+        Self::for_joining_with(addr, env_var)
+    }
+
+    /// [`for_joining`](Self::for_joining) with the variables supplied by `get`.
+    pub fn for_joining_with(
+        addr: &str,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let bad = |reason: String| ConfigError::InvalidValue {
+            var: "the grow address".into(),
+            reason,
+        };
+        let (host, port) = addr
+            .rsplit_once(':')
+            .ok_or_else(|| bad(format!("'{addr}' is not HOST:PORT")))?;
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+            return Err(bad(format!("'{addr}' is not HOST:PORT")));
+        }
+        let mut cfg = Self::from_vars(|k| match k {
+            "HCOMM_RANK" => Some("0".into()),
+            "HCOMM_WORLD_SIZE" => Some("1".into()),
+            "HCOMM_MASTER_ADDR" => Some(host.into()),
+            "HCOMM_MASTER_PORT" => Some(port.into()),
+            "HCOMM_RANK_TABLE" | "HCOMM_LOCAL_RANK" | "HCOMM_LOCAL_WORLD_SIZE" => None,
+            _ => get(k),
+        })?;
+        cfg.local_rank = None;
+        cfg.local_world_size = None;
+        Ok(cfg)
+    }
+
     /// Reads the configuration from variables supplied by `get` (a name to
     /// value lookup, such as `std::env::var`).
     ///

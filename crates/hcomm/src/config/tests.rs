@@ -1007,3 +1007,29 @@ fn from_rank_table_env_fills_only_gaps() {
         )
     );
 }
+
+#[test]
+fn a_joining_process_takes_the_grow_address_and_its_settings_but_no_launcher_rank() {
+    let get = |k: &str| -> Option<String> {
+        match k {
+            // A launcher's variables are ignored: the rank comes from the communicator.
+            "RANK" => Some("5".into()),
+            "WORLD_SIZE" => Some("8".into()),
+            "HCOMM_RANK" => Some("7".into()),
+            "HCOMM_TIMEOUT" => Some("9".into()),
+            "HCOMM_TRANSPORT" => Some("tcp".into()),
+            "HCOMM_JOB_TOKEN" => Some("sekret-sekret-sekret".into()),
+            _ => None,
+        }
+    };
+    let c = BootstrapConfig::for_joining_with("10.1.2.3:29700", get).unwrap();
+    assert_eq!((c.master_addr.as_str(), c.master_port), ("10.1.2.3", 29700));
+    assert_eq!(c.timeout, Duration::from_secs(9));
+    assert_eq!(c.transport, TransportKind::Tcp);
+    assert!(c.token().unwrap().is_some());
+    assert_eq!((c.local_rank, c.local_world_size), (None, None));
+    for bad in ["10.1.2.3", ":29700", "h:0", "h:port"] {
+        let e = BootstrapConfig::for_joining_with(bad, get).unwrap_err();
+        assert_contains(&e.to_string(), &["grow address", bad]);
+    }
+}

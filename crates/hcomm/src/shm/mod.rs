@@ -38,6 +38,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How often a rank sleeping on a shared-memory peer checks that the peer's process still
+/// lives (a killed process never posts its failure; one `kill(pid, 0)` per check).
+pub const LIFE_CHECK_EVERY: Duration = Duration::from_millis(20);
+
 const MAGIC: u64 = 0x6863_6f6d_6d73_686d; // "hcommshm"
 const HEADER: usize = 128;
 /// Offset in the header of the abort word: 0, or `1 << 63 | reporter << 40 | reason << 32 |
@@ -297,7 +301,12 @@ impl ShmGroup {
         let reason = crate::base::error::AbortReason::from_u8((word >> 32) as u8);
         let culprit = match word & 0xffff_ffff {
             0 => None,
-            c if c as usize - 1 == self.rank => Some(waiting_for),
+            // A revocation names who revoked, even when that is this rank.
+            c if c as usize - 1 == self.rank
+                && reason != crate::base::error::AbortReason::Revoked =>
+            {
+                Some(waiting_for)
+            }
             c => Some(c as usize - 1),
         };
         Some(reason.remote_error(w.ctx.clone(), reporter, culprit))
@@ -362,7 +371,7 @@ impl ShmGroup {
                     ),
                 });
             }
-            if now.duration_since(last_check) >= Duration::from_millis(100) {
+            if now.duration_since(last_check) >= LIFE_CHECK_EVERY {
                 last_check = now;
                 let pid = self.seg.atomic_u32(line + PID).load(Ordering::Acquire);
                 let ns = self.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed);

@@ -166,3 +166,125 @@ impl Links for MemLinks {
         Ok(())
     }
 }
+
+/// An in-process [`super::Mesh`] for `n` ranks (threads), whose ranks can be made to die at a
+/// chosen point: for the agreement's tests.
+pub struct MemMeshFabric {
+    state: Mutex<MeshState>,
+    changed: Condvar,
+}
+
+struct MeshState {
+    /// Messages waiting for each rank, in arrival order: (sender, bytes).
+    queues: Vec<VecDeque<(usize, Vec<u8>)>>,
+    dead: Vec<bool>,
+    /// `told[r][p]`: rank `r` was told that `p` is gone.
+    told: Vec<Vec<bool>>,
+}
+
+impl MemMeshFabric {
+    /// A mesh of `n` ranks, all alive.
+    pub fn new(n: usize) -> Arc<MemMeshFabric> {
+        Arc::new(MemMeshFabric {
+            state: Mutex::new(MeshState {
+                queues: (0..n).map(|_| VecDeque::new()).collect(),
+                dead: vec![false; n],
+                told: vec![vec![false; n]; n],
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// Rank `rank`'s end; it dies (as a killed process would: what it sent stays delivered)
+    /// after `sends_before_death` successful sends, if given (0: dead from the start).
+    pub fn mesh(self: &Arc<Self>, rank: usize, sends_before_death: Option<usize>) -> MemMesh {
+        if sends_before_death == Some(0) {
+            self.kill(rank);
+        }
+        MemMesh {
+            rank,
+            fabric: Arc::clone(self),
+            sends_left: sends_before_death,
+        }
+    }
+
+    /// True once `rank` died.
+    pub fn is_dead(&self, rank: usize) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).dead[rank]
+    }
+
+    /// Kill `rank` now.
+    pub fn kill(&self, rank: usize) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).dead[rank] = true;
+        self.changed.notify_all();
+    }
+}
+
+/// One rank's end of a [`MemMeshFabric`].
+pub struct MemMesh {
+    rank: usize,
+    fabric: Arc<MemMeshFabric>,
+    sends_left: Option<usize>,
+}
+
+impl super::Mesh for MemMesh {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.fabric
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .dead
+            .len()
+    }
+
+    fn send(&mut self, to: usize, bytes: &[u8]) -> bool {
+        let mut st = self.fabric.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.dead[self.rank] {
+            return true; // a dead rank's sends go nowhere; it is about to find out
+        }
+        if st.dead[to] {
+            return false;
+        }
+        st.queues[to].push_back((self.rank, bytes.to_vec()));
+        if let Some(left) = self.sends_left.as_mut() {
+            *left -= 1;
+            if *left == 0 {
+                st.dead[self.rank] = true;
+            }
+        }
+        drop(st);
+        self.fabric.changed.notify_all();
+        true
+    }
+
+    fn next(&mut self, deadline: Instant) -> super::MeshEvent {
+        let mut st = self.fabric.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if st.dead[self.rank] {
+                return super::MeshEvent::Gone(self.rank);
+            }
+            if let Some((from, bytes)) = st.queues[self.rank].pop_front() {
+                return super::MeshEvent::Message { from, bytes };
+            }
+            let me = self.rank;
+            if let Some(p) = (0..st.dead.len()).find(|&p| st.dead[p] && !st.told[me][p]) {
+                st.told[me][p] = true;
+                return super::MeshEvent::Gone(p);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return super::MeshEvent::Timeout;
+            }
+            st = self
+                .fabric
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}

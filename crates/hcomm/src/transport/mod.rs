@@ -15,6 +15,11 @@
 //! collectives on a segment every rank of a host maps, chosen as [`crate::Algo::Shm`] by the
 //! communicator; they do not go through [`Links`].
 //!
+//! A second, much smaller contract is [`Mesh`]: messages between any two ranks that keep
+//! working after the communicator failed, for the fault-tolerant agreement of
+//! [`crate::algo::agree`] (implemented by `tcp::recovery` on connections of their own, and by
+//! [`mem::MemMesh`], which can kill a rank at any message, for its tests).
+//!
 //! Rules (checked by `tests/layering.rs`): a transport never imports [`crate::algo`],
 //! [`crate::comm`] or [`crate::bootstrap`]; it describes frames through [`crate::wire`].
 
@@ -25,6 +30,37 @@ pub mod tcp;
 use crate::base::error::{OpContext, Result};
 use ops::{RecvOp, SendOp};
 use std::time::Instant;
+
+/// What [`Mesh::next`] saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MeshEvent {
+    /// A whole message from rank `from`.
+    Message {
+        /// The sender.
+        from: usize,
+        /// The message.
+        bytes: Vec<u8>,
+    },
+    /// Rank `rank` is gone for good (its process exited: connection refused or closed). Every
+    /// message it sent before is delivered first. A rank that is merely silent never shows up
+    /// here: that is for the caller's deadline to judge.
+    Gone(usize),
+    /// The deadline passed.
+    Timeout,
+}
+
+/// Reliable, ordered messages between the ranks of a communicator, that work after the
+/// communicator's own links failed (the agreement of a shrink runs over it).
+pub trait Mesh {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Send `bytes` to `to`, in order with earlier messages to it. False when `to` is gone.
+    fn send(&mut self, to: usize, bytes: &[u8]) -> bool;
+    /// The next message or departure, waiting until `deadline` at most.
+    fn next(&mut self, deadline: Instant) -> MeshEvent;
+}
 
 /// The point-to-point links of one communicator, as an algorithm uses them.
 pub trait Links {

@@ -30,8 +30,8 @@ impl Identity {
 /// to be) to the progress loop through a channel, and waking it through a socket pair.
 pub(super) struct Acceptor {
     pub(super) addr: SocketAddr,
-    /// Authenticated connections: (peer rank, stripe, socket).
-    pub(super) accepted: mpsc::Receiver<(usize, usize, Socket)>,
+    /// Authenticated connections: (peer rank, what it is for, socket).
+    pub(super) accepted: mpsc::Receiver<(usize, Purpose, Socket)>,
     /// Readable when `accepted` has something.
     pub(super) wake: UnixStream,
     pub(super) stop: Arc<AtomicBool>,
@@ -39,7 +39,11 @@ pub(super) struct Acceptor {
 }
 
 impl Acceptor {
-    pub(super) fn start(listener: Socket, me: Identity) -> io::Result<Acceptor> {
+    pub(super) fn start(
+        listener: Socket,
+        me: Identity,
+        revocation: Arc<Revocation>,
+    ) -> io::Result<Acceptor> {
         let addr = listener
             .local_addr()?
             .as_socket()
@@ -53,7 +57,7 @@ impl Acceptor {
         let (st, c) = (stop.clone(), counters.clone());
         std::thread::Builder::new()
             .name("hcomm-accept".into())
-            .spawn(move || accept_loop(listener, me, tx, Arc::new(waker), st, c))?;
+            .spawn(move || accept_loop(listener, me, tx, Arc::new(waker), st, c, revocation))?;
         Ok(Acceptor {
             addr,
             accepted,
@@ -80,10 +84,11 @@ impl Drop for Acceptor {
 pub(super) fn accept_loop(
     listener: Socket,
     me: Identity,
-    tx: mpsc::Sender<(usize, usize, Socket)>,
+    tx: mpsc::Sender<(usize, Purpose, Socket)>,
     waker: Arc<UnixStream>,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
+    revocation: Arc<Revocation>,
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::SeqCst) {
@@ -116,16 +121,28 @@ pub(super) fn accept_loop(
                 );
                 continue;
             };
-            let (me, tx, waker, counters) =
-                (me.clone(), tx.clone(), waker.clone(), counters.clone());
+            let (me, tx, waker, counters, revocation) = (
+                me.clone(),
+                tx.clone(),
+                waker.clone(),
+                counters.clone(),
+                revocation.clone(),
+            );
             let spawned = std::thread::Builder::new()
                 .name("hcomm-link-auth".into())
                 .spawn(move || {
                     let r = authenticate(sock, &me, &counters);
                     drop(slot);
                     match r {
-                        Ok((peer, stripe, sock)) => {
-                            if tx.send((peer, stripe, sock)).is_ok() {
+                        Ok((peer, Purpose::Revoke, _)) => {
+                            // Handled here, whatever this rank is doing: every wait gives up
+                            // (the progress loop is woken to see it).
+                            tracing::warn!(peer, "this communicator was revoked by rank {peer}");
+                            revocation.revoke(peer);
+                            let _ = (&*waker).write(&[1]);
+                        }
+                        Ok((peer, purpose, sock)) => {
+                            if tx.send((peer, purpose, sock)).is_ok() {
                                 let _ = (&*waker).write(&[1]);
                             }
                         }
@@ -139,16 +156,33 @@ pub(super) fn accept_loop(
     }
 }
 
+/// What an authenticated connection is for (the two bytes after the handshake,
+/// [`announce`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Purpose {
+    /// Socket `stripe` of the data link.
+    Link(usize),
+    /// A recovery connection ([`super::recovery`]): the agreement of a shrink.
+    Recovery,
+    /// A revocation notice: the dialer revoked the communicator (nothing else follows).
+    Revoke,
+}
+
+/// The announce bytes of a recovery connection (`nsocks` 0 never names a data link).
+pub(super) const ANNOUNCE_RECOVERY: [u8; 2] = [1, 0];
+/// The announce bytes of a revocation notice.
+pub(super) const ANNOUNCE_REVOKE: [u8; 2] = [2, 0];
+
 /// The accepting side's handshake on a new connection: the peer must be another rank of this
 /// communicator (and prove the token, if there is one), then say which of the link's sockets
-/// this is ([`announce`]). Returns its rank, the stripe and the socket, ready for the progress
-/// loop. The outcome is counted before the socket can close, so a rejected peer sees the
+/// this is, or what else the connection is for ([`announce`], [`Purpose`]). Returns its rank,
+/// the purpose and the socket, ready for the progress loop. The outcome is counted before the socket can close, so a rejected peer sees the
 /// close only after it was counted.
 pub(super) fn authenticate(
     sock: Socket,
     me: &Identity,
     counters: &Counters,
-) -> Result<(usize, usize, Socket), HandshakeError> {
+) -> Result<(usize, Purpose, Socket), HandshakeError> {
     let io = |e: io::Error| HandshakeError::Io(e.to_string());
     let _ = sock.set_nodelay(true);
     let mut stream = TcpStream::from(sock);
@@ -193,6 +227,11 @@ pub(super) fn authenticate(
             | io::ErrorKind::ConnectionAborted => HandshakeError::Closed,
             _ => io(e),
         })?;
+        match a {
+            ANNOUNCE_RECOVERY => return Ok((hello.rank as usize, Purpose::Recovery)),
+            ANNOUNCE_REVOKE => return Ok((hello.rank as usize, Purpose::Revoke)),
+            _ => {}
+        }
         let (stripe, nsocks) = (a[0] as usize, a[1] as usize);
         if nsocks != me.nsocks || stripe >= nsocks {
             return Err(HandshakeError::Malformed(format!(
@@ -204,11 +243,11 @@ pub(super) fn authenticate(
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
         stream.set_nonblocking(true).map_err(io)?;
-        Ok((hello.rank as usize, stripe))
+        Ok((hello.rank as usize, Purpose::Link(stripe)))
     })();
     counters.record(&r);
-    let (peer, stripe) = r?;
-    Ok((peer, stripe, Socket::from(stream)))
+    let (peer, purpose) = r?;
+    Ok((peer, purpose, Socket::from(stream)))
 }
 
 /// The two bytes a dialer sends right after the handshake: which socket of the link this is
@@ -342,52 +381,16 @@ impl TcpLinks {
         stripe: usize,
         deadline: Instant,
     ) -> std::result::Result<Socket, DialError> {
-        let addr = self.peers[peer];
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .clamp(Duration::from_millis(10), Duration::from_secs(30));
-        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
-            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        s.connect_timeout(&SockAddr::from(addr), left)
-            .map_err(|e| match e.kind() {
-                io::ErrorKind::ConnectionRefused => Error::PeerClosed {
-                    ctx: ctx.clone(),
-                    peer,
-                    detail: format!("connection to {addr} refused: the rank is gone"),
-                },
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Timeout {
-                    ctx: ctx.clone(),
-                    peers: vec![peer],
-                    after: left,
-                    detail: format!("connecting to {addr}"),
-                },
-                _ => Error::io(ctx.clone(), Some(peer), format!("connect to {addr}: {e}")),
-            })?;
-        s.set_nodelay(true)
-            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        let mut stream = TcpStream::from(s);
-        // The peer's acceptor answers at once (it is a thread of its own), or drops us.
-        let hs_deadline = Instant::now() + left.min(2 * PRE_AUTH_DEADLINE);
-        auth::connect(
-            &mut stream,
-            self.me.token.as_ref(),
-            self.me.local(Role::LinkDialer),
-            peer as u32,
-            hs_deadline,
-        )
-        .map_err(DialError::Handshake)?;
-        // Two bytes into an empty socket buffer; a peer that dropped us shows up as a lost
-        // connection (retried) here or at the first read.
-        stream
-            .write_all(&announce(stripe, self.me.nsocks))
-            .map_err(|e| DialError::Handshake(HandshakeError::Io(e.to_string())))?;
-        let setup = |stream: &TcpStream| -> io::Result<()> {
-            stream.set_read_timeout(None)?;
-            stream.set_write_timeout(None)?;
-            stream.set_nonblocking(true)
-        };
-        setup(&stream).map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
-        Ok(Socket::from(stream))
+        self.dialer()
+            .dial_once(ctx, peer, announce(stripe, self.me.nsocks), deadline)
+    }
+
+    /// What dialling a peer needs, to dial from another thread (a revocation notice).
+    pub(super) fn dialer(&self) -> Dialer {
+        Dialer {
+            peers: self.peers.clone(),
+            me: self.me.clone(),
+        }
     }
 
     /// Higher rank: read the lower ranks' answers to our asks. An adopted ask becomes socket 0
@@ -430,8 +433,16 @@ impl TcpLinks {
     pub(super) fn accept_pending(&mut self) -> bool {
         self.acceptor.drain_wake();
         let mut progress = false;
-        while let Ok((peer, stripe, sock)) = self.acceptor.accepted.try_recv() {
+        while let Ok((peer, purpose, sock)) = self.acceptor.accepted.try_recv() {
             progress = true;
+            let stripe = match purpose {
+                Purpose::Link(stripe) => stripe,
+                Purpose::Recovery => {
+                    self.recovery.accepted(peer, sock);
+                    continue;
+                }
+                Purpose::Revoke => continue,
+            };
             if self.inb[peer].is_some() {
                 // We already connected to that higher rank: dropping this ask tells it so.
                 continue;
@@ -463,5 +474,72 @@ impl TcpLinks {
             }
         }
         progress
+    }
+}
+
+/// Everything needed to open a connection to a rank of the communicator (its address, this
+/// side's identity for the handshake): a data link's socket, a recovery connection or a
+/// revocation notice.
+#[derive(Clone)]
+pub(super) struct Dialer {
+    pub(super) peers: Vec<SocketAddr>,
+    pub(super) me: Identity,
+}
+
+impl Dialer {
+    /// One attempt: connect to `peer`, run the handshake and send `announce_bytes`.
+    pub(super) fn dial_once(
+        &self,
+        ctx: &OpContext,
+        peer: usize,
+        announce_bytes: [u8; 2],
+        deadline: Instant,
+    ) -> std::result::Result<Socket, DialError> {
+        let addr = self.peers[peer];
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(10), Duration::from_secs(30));
+        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        s.connect_timeout(&SockAddr::from(addr), left)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::ConnectionRefused => Error::PeerClosed {
+                    ctx: ctx.clone(),
+                    peer,
+                    detail: format!("connection to {addr} refused: the rank is gone"),
+                },
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::Timeout {
+                    ctx: ctx.clone(),
+                    peers: vec![peer],
+                    after: left,
+                    detail: format!("connecting to {addr}"),
+                },
+                _ => Error::io(ctx.clone(), Some(peer), format!("connect to {addr}: {e}")),
+            })?;
+        s.set_nodelay(true)
+            .map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        let mut stream = TcpStream::from(s);
+        // The peer's acceptor answers at once (it is a thread of its own), or drops us.
+        let hs_deadline = Instant::now() + left.min(2 * PRE_AUTH_DEADLINE);
+        auth::connect(
+            &mut stream,
+            self.me.token.as_ref(),
+            self.me.local(Role::LinkDialer),
+            peer as u32,
+            hs_deadline,
+        )
+        .map_err(DialError::Handshake)?;
+        // Two bytes into an empty socket buffer; a peer that dropped us shows up as a lost
+        // connection (retried) here or at the first read.
+        stream
+            .write_all(&announce_bytes)
+            .map_err(|e| DialError::Handshake(HandshakeError::Io(e.to_string())))?;
+        let setup = |stream: &TcpStream| -> io::Result<()> {
+            stream.set_read_timeout(None)?;
+            stream.set_write_timeout(None)?;
+            stream.set_nonblocking(true)
+        };
+        setup(&stream).map_err(|e| Error::io(ctx.clone(), Some(peer), e))?;
+        Ok(Socket::from(stream))
     }
 }

@@ -69,6 +69,7 @@ use std::time::{Duration, Instant};
 mod connect;
 mod inbound;
 mod progress;
+pub mod recovery;
 
 use connect::*;
 use inbound::*;
@@ -121,8 +122,12 @@ pub struct TcpLinks {
     waits: WaitHistory,
     /// Reused staging buffers for reducing receives.
     staging_pool: Vec<Vec<u64>>,
-    /// Set by `Communicator::abort`: every wait gives up.
+    /// Set by `Communicator::abort` (and by a revocation): every wait gives up.
     abort: Arc<AtomicBool>,
+    /// Who revoked the communicator, shared with the acceptor (which takes the notices).
+    revocation: Arc<Revocation>,
+    /// The connections of [`recovery`] (made by the first shrink, kept for the links' life).
+    recovery: recovery::RecoveryState,
     /// Source of receive ids.
     next_id: u64,
     /// The deadline's length of the current operation (for error messages).
@@ -133,6 +138,34 @@ pub struct TcpLinks {
     sent: [u64; 2],
     /// Bytes of frames (headers and payload) taken from the links, ever: `[tcp, shm]`.
     received: [u64; 2],
+}
+
+/// A communicator's abort flag and which rank revoked it, if one did. The acceptor thread sets
+/// it when a peer's revocation notice arrives, whatever this rank is doing, so a rank blocked
+/// in a socket or shared-memory wait gives up at once.
+#[derive(Debug, Default)]
+pub struct Revocation {
+    aborted: Arc<AtomicBool>,
+    /// The revoking rank plus one (0: not revoked).
+    by: std::sync::atomic::AtomicU64,
+}
+
+impl Revocation {
+    /// Record that `by` revoked the communicator (the first revoker stays) and abort.
+    pub fn revoke(&self, by: usize) {
+        let _ = self
+            .by
+            .compare_exchange(0, by as u64 + 1, Ordering::SeqCst, Ordering::SeqCst);
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    /// The rank that revoked the communicator, if one did.
+    pub fn revoked_by(&self) -> Option<usize> {
+        match self.by.load(Ordering::SeqCst) {
+            0 => None,
+            r => Some(r as usize - 1),
+        }
+    }
 }
 
 pub(super) fn would_block(e: &io::Error) -> bool {
@@ -196,10 +229,14 @@ impl TcpLinks {
             token,
             nsocks,
         };
+        let revocation = Arc::new(Revocation::default());
         Ok(TcpLinks {
             rank,
             peers,
-            acceptor: Acceptor::start(listener, me.clone())?,
+            acceptor: Acceptor::start(listener, me.clone(), revocation.clone())?,
+            abort: revocation.aborted.clone(),
+            revocation,
+            recovery: recovery::RecoveryState::new(n),
             me,
             n,
             inb: (0..2 * n).map(|_| None).collect(),
@@ -214,7 +251,6 @@ impl TcpLinks {
             socket_buf: 0,
             waits: WaitHistory::default(),
             staging_pool: Vec::new(),
-            abort: Arc::new(AtomicBool::new(false)),
             next_id: 0,
             op_timeout: Duration::ZERO,
             listener_ready: false,
@@ -291,9 +327,15 @@ impl TcpLinks {
         self.inb.iter().any(|l| l.is_some())
     }
 
-    /// Share the communicator's abort flag.
-    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
-        self.abort = flag;
+    /// The abort flag every wait of these links checks (the communicator's: set by `abort`,
+    /// and by a revocation, whoever sent it).
+    pub fn abort_flag(&self) -> Arc<AtomicBool> {
+        self.abort.clone()
+    }
+
+    /// Who revoked this communicator (see [`Revocation`]).
+    pub fn revocation(&self) -> Arc<Revocation> {
+        self.revocation.clone()
     }
 
     /// Give the sockets of links made from now on send and receive buffers of `bytes`

@@ -284,11 +284,11 @@ impl TcpLinks {
         let drain_only = !pipes.is_empty() && !pipes.iter().any(|p| p.4);
         if !pipes.is_empty() && !drain_only {
             // Shared-memory peers this operation waits for: their processes must still live (a
-            // killed one never closes its end), checked every 100 ms. A peer that is merely
+            // killed one never closes its end), checked every `LIFE_CHECK_EVERY`. A peer that is merely
             // drained while idle may have finished and left: no error until someone needs it
             // (as a closed socket).
             let now = Instant::now();
-            if now.duration_since(self.shm_checked) >= Duration::from_millis(100) {
+            if now.duration_since(self.shm_checked) >= crate::shm::LIFE_CHECK_EVERY {
                 for (link, p, .., needed) in &pipes {
                     if !needed {
                         continue;
