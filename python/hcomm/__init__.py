@@ -73,6 +73,9 @@ from ._core import (
     CreateConnection,
     DestroyConnection,
     DestroyHcom,
+    Shrink,
+    Grow,
+    JoinGrown,
     FreeSharedMemory,
     Gather,
     GetCommunicator,
@@ -97,6 +100,9 @@ from ._core import (
     create_connection,
     destroy_connection,
     destroy_hcom,
+    shrink,
+    grow,
+    join_grown,
     free_shared_memory,
     gather,
     get_communicator,
@@ -124,6 +130,7 @@ from .errors import (
     MismatchError,
     PeerError,
     PoisonedError,
+    RevokedError,
 )
 from ._hcomm import __version__
 
@@ -139,6 +146,9 @@ __all__ = [
     # HCCL names
     "InitHcom",
     "DestroyHcom",
+    "Shrink",
+    "Grow",
+    "JoinGrown",
     "GetCommunicator",
     "GetRank",
     "GetWorldSize",
@@ -183,6 +193,9 @@ __all__ = [
     # snake_case twins
     "init_hcom",
     "destroy_hcom",
+    "shrink",
+    "grow",
+    "join_grown",
     "get_communicator",
     "get_rank",
     "get_world_size",

@@ -26,6 +26,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="master port (alternative to --master)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--grace-ms", type=int, default=3000, help="milliseconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--keep-going", action="store_true", help="a rank killed by a signal does not stop the others (fault-tolerant programs that shrink)")
     p.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
@@ -61,6 +62,7 @@ def run(argv: Sequence[str]) -> int:
             master_port=port,
             prefix_output=not a.no_prefix,
             grace_ms=a.grace_ms,
+            keep_going=a.keep_going,
         )
     except LaunchError as e:
         print(f"hcomm run: {e}", file=sys.stderr)

@@ -567,6 +567,14 @@ class Communicator:
         ``HCOMM_MASTER_ADDR``, ...), the process environment filling in the rest."""
         return cls(_hcomm.Communicator.from_vars({k: None if v is None else str(v) for k, v in variables.items()}), name)
 
+    @classmethod
+    def join_grown(cls, addr: str, name: str = "world") -> "Communicator":
+        """Join a communicator that is growing (:meth:`grow` on its ranks) through the
+        rendezvous at `addr` (``HOST:PORT``); this process takes the next free rank. The job
+        token (``HCOMM_JOB_TOKEN`` / ``HCOMM_TOKEN_FILE``), timeout and transport come from
+        the environment; launcher variables are ignored."""
+        return cls(_hcomm.Communicator.join_grown(str(addr)), name)
+
     # -- properties ------------------------------------------------------------------------
 
     @property
@@ -615,6 +623,35 @@ class Communicator:
         """Abort: every operation in flight and every later one fails with
         :class:`AbortedError`. Safe from any thread."""
         self._c.abort()
+
+    def revoke(self) -> None:
+        """Revoke: every operation in flight on this communicator or started later, on every
+        rank, fails promptly with :class:`RevokedError` naming this rank (ranks blocked in a
+        wait included). Safe from any thread. Then call :meth:`shrink` on every rank left."""
+        self._c.revoke()
+
+    @property
+    def revoked(self) -> bool:
+        """True once this communicator was revoked (here or, as far as this rank heard, by
+        another rank)."""
+        return self._c.revoked
+
+    def shrink(self, exclude: Sequence[int] = ()) -> "Communicator":
+        """After a failure: the communicator of the ranks that are left, ranks renumbered in
+        order, also dropping the ranks in `exclude`. Collective over the survivors: every rank
+        that is alive calls it (one that does not within the timeout is dropped). It revokes
+        this communicator first, agrees with the others on who is gone without needing any
+        rank in particular (rank 0 may be the dead one), and builds the new communicator;
+        every survivor gets the same members. Keep this communicator until the new one is
+        returned, then drop it (see docs/fault-tolerance.md)."""
+        return Communicator(self._c.shrink([int(r) for r in exclude]), f"{self.name}/shrunk")
+
+    def grow(self, count: int, addr: str) -> "Communicator":
+        """A communicator of this one's ranks (keeping their ranks) and `count` new processes,
+        which call :meth:`Communicator.join_grown` (or :func:`JoinGrown`) with `addr`. Collective
+        over this communicator; its rank 0 hosts the rendezvous on `addr` (``HOST:PORT`` of
+        its host). This communicator stays usable."""
+        return Communicator(self._c.grow(int(count), str(addr)), f"{self.name}/grown")
 
     def destroy(self) -> None:
         """Leave the group now rather than when the last reference to this object goes: its
@@ -1285,6 +1322,39 @@ def DestroyHcom() -> None:
         _default = None
 
 
+def Shrink(exclude: Sequence[int] = ()) -> Communicator:
+    """Replace the default communicator by its survivors' (:meth:`Communicator.shrink`) after
+    a rank was lost; returns it. Every surviving rank calls it."""
+    global _default
+    with _default_lock:
+        old = _get()
+        _default = old.shrink(exclude)
+        old.destroy()
+        return _default
+
+
+def Grow(count: int, addr: str) -> Communicator:
+    """Replace the default communicator by itself plus `count` new processes
+    (:meth:`Communicator.grow`); returns it. Every rank of the default communicator calls it."""
+    global _default
+    with _default_lock:
+        old = _get()
+        _default = old.grow(count, addr)
+        old.destroy()
+        return _default
+
+
+def JoinGrown(addr: str, name: str = "hccl_world_group") -> Communicator:
+    """Join a growing job through `addr` and make the result the default communicator (the
+    InitHcom of a replacement process)."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            raise HcommError(f"JoinGrown: already initialised (group {_default.name!r}); call DestroyHcom() first")
+        _default = Communicator.join_grown(addr, name)
+        return _default
+
+
 def GetCommunicator() -> Communicator:
     """The default communicator (after InitHcom)."""
     return _get()
@@ -1523,6 +1593,9 @@ def FreeSharedMemory(shm: SharedMemory) -> None:
 
 # snake_case twins
 init_hcom = InitHcom
+shrink = Shrink
+grow = Grow
+join_grown = JoinGrown
 destroy_hcom = DestroyHcom
 get_communicator = GetCommunicator
 get_rank = GetRank

@@ -9,6 +9,8 @@ Every failure of the library is an :class:`HcommError`; the subclasses say what 
 ``PeerError``              a peer closed its connection, died, reported a failure, or sent
                            garbage
 ``AbortedError``           the communicator was aborted
+``RevokedError``           the communicator was revoked (``peers``: the rank that revoked it);
+                           ``shrink()`` makes a working one of the ranks that are left
 ``MismatchError``          ranks called different collectives, or disagree on a message size
 ``PoisonedError``          the communicator failed earlier and must be rebuilt
 ``ConfigError``            the environment or rank table does not describe a job
@@ -34,6 +36,7 @@ __all__ = [
     "HcommTimeoutError",
     "PeerError",
     "AbortedError",
+    "RevokedError",
     "MismatchError",
     "PoisonedError",
     "ConfigError",
@@ -65,6 +68,12 @@ class PeerError(HcommError):
 
 class AbortedError(HcommError):
     """The communicator was aborted (``Communicator.abort()``)."""
+
+
+class RevokedError(HcommError):
+    """The communicator was revoked (``Communicator.revoke()`` on some rank, or a
+    ``shrink()`` started); ``peers`` holds the rank that revoked it. Every operation on it
+    fails from then on: call ``shrink()`` on every surviving rank for a working one."""
 
 
 class MismatchError(HcommError):

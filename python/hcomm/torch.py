@@ -568,6 +568,7 @@ class HcommBackend(_C10dBackend):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, comm: Optional[Communicator] = None) -> None:
         super().__init__(rank, size)
         self._options = _C10dBackend.Options(BACKEND_NAME, timeout=timeout)
+        self._timeout = timeout
         self.comm = comm if comm is not None else _bootstrap(store, rank, size, timeout)
         self._store = store
         self._waiter = _Waiter("hcomm-torch-waiter")
@@ -629,6 +630,24 @@ class HcommBackend(_C10dBackend):
     @property
     def supports_coalescing(self) -> bool:
         return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return True
+
+    def shrink(self, ranks_to_exclude: List[int], shrink_flags: int = 0, opts: Any = None) -> "HcommBackend":
+        """``torch.distributed.shrink_group``: the backend of the ranks left
+        (:meth:`hcomm.Communicator.shrink`, which revokes this one first, so that
+        ``SHRINK_ABORT`` and the default behave alike). Every rank not in `ranks_to_exclude`
+        calls it; a rank that died and is not listed makes it fail, naming it."""
+        excluded = sorted(int(r) for r in ranks_to_exclude)
+        new = self.comm.shrink(exclude=excluded)
+        want = self.size() - len(excluded)
+        if new.world_size != want:
+            names = [int(r) for r in new.all_gather(torch.tensor([self.rank()], dtype=torch.int64), dim=0)]
+            gone = sorted(set(range(self.size())) - set(names) - set(excluded))
+            raise RuntimeError(f"shrink_group: rank(s) {gone} are gone too; list them in ranks_to_exclude")
+        return HcommBackend(self._store, new.rank, new.world_size, self._timeout, comm=new)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME

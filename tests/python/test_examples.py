@@ -20,7 +20,7 @@ CASES = [
 
 
 #: Examples with arguments, tested in their own files.
-ELSEWHERE = {"train_ddp.py": "test_train_ddp.py"}
+ELSEWHERE = {"train_ddp.py": "test_train_ddp.py", "fault_tolerant_training.py": "test_fault_tolerance.py"}
 
 
 def test_every_example_is_tested():

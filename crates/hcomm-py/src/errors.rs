@@ -45,7 +45,7 @@ pub fn panic_message(p: &Box<dyn Any + Send>) -> String {
 
 /// An hcomm error as the matching exception: `InvalidArgumentError` (also a `ValueError`),
 /// `HcommTimeoutError` (also a `TimeoutError`), `PeerError` (peer closed, remote failure,
-/// protocol error), `AbortedError`, `MismatchError`, `PoisonedError`, `ConfigError`,
+/// protocol error), `AbortedError`, `RevokedError`, `MismatchError`, `PoisonedError`, `ConfigError`,
 /// `AuthenticationError` (also a `PermissionError`), or
 /// `HcommError` itself. Attributes: `op`, `seq`, `peers`, `fatal`.
 pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
@@ -61,6 +61,7 @@ pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         }
         Error::Poisoned { ctx, .. } => ("PoisonedError", Some(ctx), vec![]),
         Error::Aborted { ctx } => ("AbortedError", Some(ctx), vec![]),
+        Error::Revoked { ctx, by } => ("RevokedError", Some(ctx), vec![*by]),
         Error::Io { ctx, peer, .. } => ("HcommError", Some(ctx), peer.iter().copied().collect()),
         Error::Auth { ctx, peer, .. } => (
             "AuthenticationError",

@@ -161,6 +161,17 @@ impl PyComm {
         .map(PyComm::wrap)
     }
 
+    /// Join a communicator that grows (`grow(count, addr)` on its ranks) through `addr`
+    /// (HOST:PORT); the job token, timeout and transport come from the environment.
+    #[staticmethod]
+    fn join_grown(py: Python<'_>, addr: String) -> PyResult<PyComm> {
+        blocking(py, move || {
+            let cfg = hcomm::BootstrapConfig::for_joining(&addr)?;
+            Comm::join_grown(&cfg)
+        })
+        .map(PyComm::wrap)
+    }
+
     /// This rank, 0..world_size.
     #[getter]
     fn rank(&self) -> usize {
@@ -238,6 +249,33 @@ impl PyComm {
     /// call from any thread.
     fn abort(&self) {
         self.comm.abort();
+    }
+
+    /// Revoke: every operation in flight or started later, on every rank, fails with
+    /// RevokedError naming this rank. Safe to call from any thread.
+    fn revoke(&self) {
+        self.comm.revoke();
+    }
+
+    /// True once this communicator was revoked (here or, as far as this rank heard, elsewhere).
+    #[getter]
+    fn revoked(&self) -> bool {
+        self.comm.is_revoked()
+    }
+
+    /// The communicator of the ranks that are left (collective over the survivors), also
+    /// dropping `exclude`; revokes this one first.
+    #[pyo3(signature = (exclude = Vec::new()))]
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>) -> PyResult<PyComm> {
+        let c = self.comm.clone();
+        blocking(py, move || c.shrink_excluding(&exclude)).map(PyComm::wrap)
+    }
+
+    /// This communicator's ranks and `count` new processes (which call `join_grown(addr)`);
+    /// rank 0 hosts the rendezvous on `addr`.
+    fn grow(&self, py: Python<'_>, count: usize, addr: String) -> PyResult<PyComm> {
+        let c = self.comm.clone();
+        blocking(py, move || c.grow(count, &addr)).map(PyComm::wrap)
     }
 
     /// All-reduce `send` into `recv` with `op`; `send=None` (or the same buffer) is in place.
@@ -1000,7 +1038,7 @@ impl PySharedMemory {
 /// Start `nprocs` local ranks of `program args…` with the hcomm and torch launch variables
 /// set (what `hcomm run` does); returns the first non-zero exit code, or 0.
 #[pyfunction]
-#[pyo3(signature = (program, args, nprocs = 1, nnodes = 1, node_rank = 0, master_addr = None, master_port = None, prefix_output = true, grace_ms = 3000))]
+#[pyo3(signature = (program, args, nprocs = 1, nnodes = 1, node_rank = 0, master_addr = None, master_port = None, prefix_output = true, grace_ms = 3000, keep_going = false))]
 #[allow(clippy::too_many_arguments)]
 fn launch(
     py: Python<'_>,
@@ -1013,6 +1051,7 @@ fn launch(
     master_port: Option<u16>,
     prefix_output: bool,
     grace_ms: u64,
+    keep_going: bool,
 ) -> PyResult<i32> {
     use hcomm_launch::{launch, LaunchError, LaunchSpec};
     let mut spec = LaunchSpec::new(nprocs, program, args);
@@ -1024,6 +1063,7 @@ fn launch(
     spec.master_port = master_port;
     spec.prefix_output = prefix_output;
     spec.grace = Duration::from_millis(grace_ms);
+    spec.keep_going = keep_going;
     let r = py.detach(move || std::panic::catch_unwind(move || launch(&spec)));
     match r {
         Ok(Ok(code)) => Ok(code),

@@ -13,7 +13,9 @@
 mod common;
 
 use common::*;
-use hcomm::{Communicator, Error, ReduceOp};
+use hcomm::fusion::{FusionOptions, TensorMut};
+use hcomm::{Communicator, CompressionState, Compressor, Error, ReduceOp};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 fn now_us() -> u128 {
@@ -164,6 +166,8 @@ fn worker() {
     let mut b = vec![shrunk.rank() as u32 + 10; 333];
     shrunk.broadcast(&mut b, 0).unwrap();
     assert!(b.iter().all(|&x| x == 10));
+    let shrunk = Arc::new(shrunk);
+    more_checks(&shrunk, &survivors);
     println!(
         "SHRUNK old={me} new={} size={} members={survivors:?}",
         shrunk.rank(),
@@ -186,6 +190,34 @@ fn worker() {
     shrunk.barrier().unwrap();
     drop(shrunk);
     drop(comm);
+}
+
+/// Fusion, a compressed all-reduce and (on one host) a shared window on the shrunk communicator.
+fn more_checks(c: &Arc<Communicator>, survivors: &[usize]) {
+    let me = survivors[c.rank()];
+    let want: f32 = survivors.iter().map(|&r| (r + 1) as f32).sum();
+    let mut a = vec![(me + 1) as f32; 3000];
+    let mut b = vec![(me + 1) as f64; 17];
+    c.all_reduce_coalesced(
+        vec![TensorMut::new(&mut a), TensorMut::new(&mut b)],
+        ReduceOp::Sum,
+        FusionOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("rank {me}: fusion on the shrunk communicator: {e}"));
+    assert!(a.iter().all(|&x| x == want) && b.iter().all(|&x| x == want as f64));
+    let mut state = CompressionState::new(Compressor::Fp16).unwrap();
+    let mut v = vec![(me + 1) as f32; 4096];
+    c.all_reduce_compressed(&mut v, ReduceOp::Sum, &mut state)
+        .unwrap_or_else(|e| {
+            panic!("rank {me}: compressed all-reduce on the shrunk communicator: {e}")
+        });
+    assert!(v.iter().all(|&x| (x - want).abs() < 0.1), "{}", v[0]);
+    if c.has_shared_memory() {
+        let w = c
+            .alloc_window(4096)
+            .unwrap_or_else(|e| panic!("rank {me}: window on the shrunk communicator: {e}"));
+        drop(w);
+    }
 }
 
 /// On a grown communicator: every rank names itself (survivors their old rank, the newcomer
@@ -495,6 +527,11 @@ fn shrink_survives_deaths_on_two_hosts_and_during_the_shrink_itself() {
             Case {
                 hosts: Some(HOSTS),
                 ..case(4, "auto", "collective", &[3])
+            },
+            // Every rank of one host at once (its segment goes with them).
+            Case {
+                hosts: Some(HOSTS),
+                ..case(4, "auto", "collective", &[2, 3])
             },
             // A second rank (the coordinator-to-be, rank 0, in the second case) dies as the
             // agreement starts. (A timer cannot aim at the shrunk communicator's setup, which

@@ -661,3 +661,9 @@ else:
 
 dist.destroy_process_group()
 print("WORKER OK", flush=True)
+if CASE == "powersgd":
+    # torch 2.15 itself aborts in its teardown after PowerSGD now and then ("terminate called
+    # without an active exception", SIGABRT after every check passed): 3 of 30 runs of a
+    # gloo-only PowerSGD script did, 1 of 20 of this case. Leave without that teardown.
+    sys.stdout.flush()
+    os._exit(0)

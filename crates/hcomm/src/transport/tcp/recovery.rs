@@ -32,10 +32,11 @@ pub struct Notifier {
 }
 
 impl Notifier {
-    /// Tell every other rank, in the background, that this communicator is revoked (one
-    /// short connection each, all at once; a peer that is gone or does not answer within
-    /// 2 s is skipped).
-    pub fn notify_all(&self) {
+    /// Tell every other rank, in the background, that this communicator is revoked: one
+    /// short connection each, all at once, tried again (a loaded machine may be slow to
+    /// answer) until it is delivered, the rank is found gone (its listener refuses), or
+    /// `within` has passed.
+    pub fn notify_all(&self, within: Duration) {
         let me = self.dialer.me.rank;
         for peer in (0..self.dialer.peers.len()).filter(|&p| p != me) {
             let dialer = self.dialer.clone();
@@ -46,11 +47,30 @@ impl Notifier {
                         op: "revoke",
                         seq: 0,
                     };
-                    let deadline = Instant::now() + DIAL_WITHIN;
-                    match dialer.dial_once(&ctx, peer, ANNOUNCE_REVOKE, deadline) {
-                        // The acceptor reads nothing more: closing is the end of the notice.
-                        Ok(_) => tracing::debug!(peer, "revocation notice delivered"),
-                        Err(_) => tracing::debug!(peer, "no revocation notice (rank gone?)"),
+                    let give_up = Instant::now() + within;
+                    loop {
+                        let deadline = (Instant::now() + DIAL_WITHIN).min(give_up);
+                        match dialer.dial_once(&ctx, peer, ANNOUNCE_REVOKE, deadline) {
+                            // The acceptor reads nothing more: closing ends the notice.
+                            Ok(_) => {
+                                tracing::debug!(peer, "revocation notice delivered");
+                                return;
+                            }
+                            Err(DialError::Other(Error::PeerClosed { .. })) => {
+                                tracing::debug!(peer, "no revocation notice: the rank is gone");
+                                return;
+                            }
+                            Err(_) if Instant::now() < give_up => {
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                            Err(_) => {
+                                tracing::info!(
+                                    peer,
+                                    "revocation notice not delivered within {within:?}"
+                                );
+                                return;
+                            }
+                        }
                     }
                 });
             if let Err(e) = spawned {
