@@ -133,6 +133,11 @@ struct CheckArgs {
     /// Soak: stop after this many seconds even if cases remain.
     #[arg(long)]
     seconds: Option<f64>,
+    /// Fault tolerance: this rank kills itself (SIGKILL) in the middle of an all-reduce loop;
+    /// the others shrink the communicator and run the sweep on it (start under
+    /// `hcomm run --keep-going`; `--np` does that itself).
+    #[arg(long, value_name = "RANK")]
+    kill: Option<usize>,
 }
 
 #[derive(Args)]
@@ -280,6 +285,78 @@ fn join() -> Result<Communicator, ExitCode> {
 /// that exits with a failure first has the launcher stop the others, rank 0 mid-report. Only
 /// on paths where every rank ran the same operations (so the barrier meets); its own failure
 /// changes nothing about the exit code.
+/// `hcomm check --kill RANK`: `victim` dies during an all-reduce loop; every survivor shrinks
+/// the communicator, checks who is left, and runs the sweep on the shrunk communicator.
+fn check_after_a_kill(comm: Communicator, victim: usize, o: &check::CheckOpts) -> ExitCode {
+    let (me, n) = (comm.rank(), comm.world_size());
+    if victim >= n {
+        hcomm_cli::say!("hcomm check: --kill {victim}: out of range for {n} ranks");
+        return ExitCode::from(2);
+    }
+    let mut v = vec![1.0f64; 1 << 16];
+    let err = (0..)
+        .find_map(|i| {
+            if me == victim && i == 3 {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::this(),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum).err()
+        })
+        .expect("the loop ends with an error");
+    let failed_at = std::time::Instant::now();
+    let shrunk = match comm.shrink() {
+        Ok(s) => s,
+        Err(e) => {
+            hcomm_cli::say!("hcomm check --kill: rank {me}: shrink failed: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let shrink_ms = failed_at.elapsed().as_secs_f64() * 1e3;
+    let mut olds = vec![0u64; shrunk.world_size()];
+    if let Err(e) = shrunk.all_gather(&[me as u64], &mut olds) {
+        hcomm_cli::say!(
+            "hcomm check --kill: rank {me}: all-gather on the shrunk communicator: {e}"
+        );
+        return ExitCode::from(1);
+    }
+    let want: Vec<u64> = (0..n as u64).filter(|&r| r != victim as u64).collect();
+    if olds != want {
+        hcomm_cli::say!(
+            "hcomm check --kill: rank {me}: the shrunk communicator holds ranks {olds:?}, not {want:?}"
+        );
+        return ExitCode::from(1);
+    }
+    let start = std::time::Instant::now();
+    let code = match check::run(&shrunk, o) {
+        Ok((cases, failed)) => {
+            if shrunk.rank() == 0 {
+                println!(
+                    "hcomm check --kill {victim}: {n} ranks: after \"{err}\", the {} survivors shrank in {shrink_ms:.1} ms (rank {me}); \
+                     on the shrunk communicator: {cases} cases, {} passed, {failed} failed ({:.1} s)",
+                    shrunk.world_size(),
+                    cases - failed,
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            if failed == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            hcomm_cli::say!("hcomm check --kill: rank {me}: on the shrunk communicator: {e}");
+            ExitCode::from(1)
+        }
+    };
+    leave_together(&shrunk);
+    drop(shrunk);
+    drop(comm);
+    code
+}
+
 fn leave_together(comm: &Communicator) {
     let _ = comm.barrier();
 }
@@ -384,7 +461,11 @@ fn parse_list<T, F: Fn(&str) -> Result<T, String>>(
 
 fn cmd_check(a: CheckArgs) -> ExitCode {
     if let (Some(np), false) = (a.np, in_job()) {
-        return exit(spawn_self(np, args_without(&["--np", "-np"])));
+        return exit(hcomm_cli::workers::spawn_self_with(
+            np,
+            args_without(&["--np", "-np"]),
+            a.kill.is_some(),
+        ));
     }
     let mut o = if a.quick {
         check::CheckOpts::quick()
@@ -421,6 +502,9 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
+    if let Some(victim) = a.kill {
+        return check_after_a_kill(comm, victim, &o);
+    }
     let start = std::time::Instant::now();
     if let Some(ops) = a.soak {
         let comm = std::sync::Arc::new(comm);

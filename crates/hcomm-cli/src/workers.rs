@@ -21,6 +21,12 @@ pub fn in_job() -> bool {
 /// Start `n` copies of this executable with `args` (which must not ask for more copies) and
 /// return the exit code to exit with.
 pub fn spawn_self(n: usize, args: Vec<OsString>) -> i32 {
+    spawn_self_with(n, args, false)
+}
+
+/// [`spawn_self`]; with `keep_going`, a rank killed by a signal does not stop the others
+/// (`hcomm check --kill`).
+pub fn spawn_self_with(n: usize, args: Vec<OsString>, keep_going: bool) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
@@ -30,6 +36,7 @@ pub fn spawn_self(n: usize, args: Vec<OsString>) -> i32 {
     };
     let mut spec = LaunchSpec::new(n, exe, args);
     spec.prefix_output = false;
+    spec.keep_going = keep_going;
     match launch(&spec) {
         Ok(code) => code,
         Err(e) => {

@@ -73,9 +73,12 @@ impl Cluster {
             &node.to_string(),
             "--master",
             &master,
-            "--",
-            HCOMM,
         ]);
+        if env.iter().any(|(k, _)| *k == "KEEP_GOING") {
+            // A rank killed on purpose must not stop the others (`hcomm check --kill`).
+            cmd.arg("--keep-going");
+        }
+        cmd.args(["--", HCOMM]);
         cmd.args(args)
             .env("HCOMM_TIMEOUT", "5s")
             // The data network chosen by subnet (interface names may differ between hosts).
@@ -303,4 +306,52 @@ fn cut_link(tag: &str, nsocks: &str) {
     eprintln!("after the cut ({took:?}):\n{}\n{}", res[0].1, res[1].1);
     // Deadline 5 s; generous bound for a loaded machine.
     assert!(took < Duration::from_secs(60), "took {took:?}");
+}
+
+/// Rank `victim` of 2 hosts x 2 ranks is SIGKILLed mid-job; the 3 survivors, on two network
+/// stacks joined by a bridge, shrink (without rank 0's store when rank 0 is the one that died)
+/// and pass the sweep on the shrunk communicator.
+fn survive_a_kill(victim: usize, tag: &str) {
+    let Some(c) = Cluster::up(2, tag) else {
+        return;
+    };
+    let v = victim.to_string();
+    let args = [
+        "check",
+        "--quick",
+        "--kill",
+        &v,
+        "--colls",
+        "allreduce,broadcast,allgather,reducescatter",
+        "--counts",
+        "0,7,1031,100000",
+    ];
+    let env = [("KEEP_GOING", "1")];
+    let kids = (0..2)
+        .map(|h| c.node_with(h, 2, 2, port() + victim as u16, &args, &env))
+        .collect();
+    let res = wait_nodes(kids, Duration::from_secs(240));
+    let all = format!("{}\n{}", res[0].1, res[1].1);
+    for (h, (code, out)) in res.iter().enumerate() {
+        assert_eq!(*code, Some(0), "host {h}:\n{out}");
+    }
+    assert!(
+        all.contains(&format!("rank {victim} was killed by signal SIGKILL")),
+        "{all}"
+    );
+    let line = all
+        .lines()
+        .find(|l| l.contains("hcomm check --kill"))
+        .unwrap_or_else(|| panic!("no summary:\n{all}"));
+    assert!(
+        line.contains("the 3 survivors shrank") && line.contains(" 0 failed"),
+        "{line}"
+    );
+    println!("{line}");
+}
+
+#[test]
+fn a_killed_rank_is_dropped_on_two_hosts_rank_0_and_a_remote_one() {
+    survive_a_kill(0, "k");
+    survive_a_kill(3, "l");
 }
