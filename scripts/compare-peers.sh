@@ -7,7 +7,9 @@
 # Settings (environment): PEERS, RANKS, TRANSPORT (tcp), SIZES (8, 1k, 1m, 64m, ...),
 # COLLS (allreduce allgather reduce_scatter bcast barrier pingpong), REPS (timed repeats per
 # size, median reported), TARGET (seconds per repeat), BENCH_DIR (default ../shared/bench),
-# OUT_DIR (default results/). Run it while nothing else uses the cores.
+# OUT_DIR (default results/), NOISE (busy processes running beside both hcomm and the peers,
+# for hostile conditions; default 0). The steal time of each half (/proc/stat) is printed with
+# the table. Run it while nothing else uses the cores.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 BENCH_DIR=${BENCH_DIR:-$here/../shared/bench}
@@ -19,6 +21,7 @@ COLLS=${COLLS:-allreduce}
 REPS=${REPS:-5}
 TARGET=${TARGET:-0.05}
 OUT_DIR=${OUT_DIR:-$here/results}
+NOISE=${NOISE:-0}
 if [ ! -x "$BENCH_DIR/peers.sh" ]; then
     echo "compare-peers: no peer benchmarks at $BENCH_DIR/peers.sh (set BENCH_DIR to the folder holding peers.sh)" >&2
     exit 2
@@ -29,16 +32,35 @@ stamp=$(date -u +%Y%m%dT%H%M%SZ)
 (cd "$here" && cargo build --release -q -p hcomm-cli)
 hcomm="$here/target/release/hcomm"
 
-echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS)" >&2
+# Steal time between two samples of /proc/stat's cpu line, in percent of all CPU time.
+cpu_sample() { awk '/^cpu /{t=0; for (i=2;i<=9;i++) t+=$i; print $9, t}' /proc/stat; }
+steal_since() {
+    local s0 t0 s1 t1
+    read -r s0 t0 <<<"$1"
+    read -r s1 t1 <<<"$(cpu_sample)"
+    awk -v ds=$((s1 - s0)) -v dt=$((t1 - t0)) 'BEGIN { printf "%.1f", (dt > 0 ? 100 * ds / dt : 0) }'
+}
+# NOISE busy processes for the whole comparison (both halves see the same conditions).
+noise_pids=()
+for _ in $(seq 1 "$NOISE"); do
+    (while :; do :; done) &
+    noise_pids+=($!)
+done
+stop_noise() { [ ${#noise_pids[@]} -eq 0 ] || kill "${noise_pids[@]}" 2>/dev/null || true; }
+trap stop_noise EXIT
+
+echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS, noise $NOISE)" >&2
+peer_start=$(cpu_sample)
 BENCH_BUILD="$OUT_DIR/peer-build" BENCH_RESULTS="$OUT_DIR" PEERS="$PEERS" RANKS="$RANKS" \
     TRANSPORTS="$TRANSPORT" SIZES="$SIZES" COLLS="${COLLS// /,}" REPS="$REPS" TARGET="$TARGET" RUNS=1 \
     "$BENCH_DIR/peers.sh" > "$OUT_DIR/peers-$stamp.txt"
+peer_steal=$(steal_since "$peer_start")
 
 # hcomm runs in a private loopback-only network namespace too, as peers.sh runs the peers.
 runner=()
 ns="hcommcmp$$"
 if [ "$(id -u)" = 0 ] && command -v ip >/dev/null && ip netns add "$ns" 2>/dev/null; then
-    trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
+    trap 'stop_noise; ip netns del "$ns" 2>/dev/null || true' EXIT
     ip -n "$ns" link set lo up
     runner=(ip netns exec "$ns")
 fi
@@ -61,6 +83,7 @@ hcomm_op() {
 json="$OUT_DIR/hcomm-$stamp.jsonl"
 : > "$json"
 echo "[compare] hcomm" >&2
+hcomm_start=$(cpu_sample)
 for coll in ${COLLS//,/ }; do
     for size in ${SIZES//,/ }; do
         b=$(to_bytes "$size")
@@ -69,6 +92,9 @@ for coll in ${COLLS//,/ }; do
             --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
     done
 done
+
+hcomm_steal=$(steal_since "$hcomm_start")
+echo "# conditions: $NOISE busy process(es) beside the ranks; steal time $peer_steal% while the peers ran, $hcomm_steal% while hcomm ran (/proc/stat)"
 
 python3 - "$OUT_DIR/peers-$stamp.txt" "$json" <<'PY'
 import json, sys

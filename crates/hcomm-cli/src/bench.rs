@@ -127,6 +127,8 @@ pub struct BenchOpts {
     /// All-reduce only: the buffers live in a shared window (`alloc_window`) and the zero-copy
     /// `all_reduce_window` runs on them.
     pub window: bool,
+    /// Busy processes the driver runs beside the ranks (`--noise N`; reported in the header).
+    pub noise: usize,
 }
 
 impl BenchOpts {
@@ -147,6 +149,7 @@ impl BenchOpts {
             target_secs: 0.0,
             reps: 1,
             window: false,
+            noise: 0,
         }
     }
 }
@@ -184,6 +187,49 @@ pub struct Row {
     pub busbw: f64,
     /// Wrong elements (summed over ranks), or -1 when not checked.
     pub wrong: i64,
+    /// Steal time while this size ran: the share of all CPUs' time the hypervisor gave to
+    /// others (`/proc/stat`, seen by rank 0), in percent; absent where it cannot be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steal_pct: Option<f64>,
+}
+
+/// The CPU time counters of `/proc/stat` (all CPUs): (steal, total), in clock ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuTimes {
+    /// Time stolen by the hypervisor.
+    pub steal: u64,
+    /// Every kind of time (user, nice, system, idle, iowait, irq, softirq, steal).
+    pub total: u64,
+}
+
+impl CpuTimes {
+    /// Now, from `/proc/stat` (None where there is none).
+    pub fn now() -> Option<CpuTimes> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    /// The first (`cpu `) line of a `/proc/stat` text.
+    pub fn parse(stat: &str) -> Option<CpuTimes> {
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(|x| x.parse().ok())
+            .collect::<Option<_>>()?;
+        (v.len() == 8).then(|| CpuTimes {
+            steal: v[7],
+            total: v.iter().sum(),
+        })
+    }
+
+    /// Steal between `self` and the later `then`, in percent of all CPU time (None without
+    /// any time passing).
+    pub fn steal_pct_until(self, then: CpuTimes) -> Option<f64> {
+        let total = then.total.checked_sub(self.total)?;
+        let steal = then.steal.checked_sub(self.steal)?;
+        (total > 0).then(|| 100.0 * steal as f64 / total as f64)
+    }
 }
 
 /// Sizes from `min` to `max` multiplying by `factor`.
@@ -418,6 +464,7 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
         algbw,
         busbw: algbw * BenchOp::Coll(Collective::AllReduce).busbw_factor(n),
         wrong: if o.check { wrong[0] as i64 } else { -1 },
+        steal_pct: None,
     })
 }
 
@@ -495,7 +542,24 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         algbw,
         busbw: algbw * op.busbw_factor(n),
         wrong,
+        steal_pct: None,
     })
+}
+
+/// The header's line on the machine's conditions: the noise asked for, and the steal time of
+/// the last 200 ms before the run (from `/proc/stat`).
+pub fn conditions_line(noise: usize) -> String {
+    let before = CpuTimes::now();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let steal = before
+        .zip(CpuTimes::now())
+        .and_then(|(b, a)| b.steal_pct_until(a));
+    format!(
+        "# conditions: {} busy process(es) beside the ranks (--noise), {} cores, steal {} just before the run",
+        noise,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        steal.map_or("unknown".to_string(), |s| format!("{s:.1}%"))
+    )
 }
 
 /// The nccl-tests table header.
@@ -657,8 +721,10 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
             o.reps.max(1),
             o.check
         );
+        println!("{}", conditions_line(o.noise));
         println!("{}", header());
     }
+    let run_start = (me == 0).then(CpuTimes::now).flatten();
     let all_sizes = sizes(o.min_bytes, o.max_bytes, o.factor);
     let progress = me == 0 && std::io::stderr().is_terminal() && all_sizes.len() > 1;
     let mut rows = Vec::new();
@@ -670,7 +736,11 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
                 all_sizes.len()
             );
         }
-        let row = run_size(comm, o, bytes)?;
+        let before = (me == 0).then(CpuTimes::now).flatten();
+        let mut row = run_size(comm, o, bytes)?;
+        if let (Some(b), Some(a)) = (before, CpuTimes::now().filter(|_| me == 0)) {
+            row.steal_pct = b.steal_pct_until(a);
+        }
         if me == 0 {
             if json {
                 println!("{}", serde_json::to_string(&row).expect("row serialises"));
@@ -698,6 +768,19 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
                 "# Avg bus bandwidth    : {:.4}",
                 rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64
             );
+            let whole = run_start
+                .zip(CpuTimes::now())
+                .and_then(|(b, a)| b.steal_pct_until(a));
+            let worst = rows
+                .iter()
+                .filter_map(|r| r.steal_pct)
+                .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+            if let (Some(whole), Some(worst)) = (whole, worst) {
+                println!(
+                    "# Steal time           : {whole:.1}% of CPU time during the run, {worst:.1}% in the worst size (/proc/stat){}",
+                    if whole >= 5.0 { ": a noisy machine, compare with care" } else { "" }
+                );
+            }
         }
         if let Some(path) = &out.plot {
             let series = vec![crate::plot::Series {
@@ -740,6 +823,27 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn steal_comes_from_the_cpu_line_of_proc_stat() {
+        let a = CpuTimes::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3 4 5 6 7 8\n").unwrap();
+        assert_eq!(
+            a,
+            CpuTimes {
+                steal: 35,
+                total: 1000
+            }
+        );
+        let b = CpuTimes::parse("cpu  150 0 60 900 10 0 5 75 0 0\n").unwrap();
+        // 40 of the 200 ticks that passed were stolen.
+        assert_eq!(a.steal_pct_until(b), Some(20.0));
+        assert_eq!(a.steal_pct_until(a), None);
+        assert_eq!(CpuTimes::parse("intr 1 2 3"), None);
+        assert_eq!(CpuTimes::parse("cpu 1 2 3"), None);
+        if std::path::Path::new("/proc/stat").exists() {
+            assert!(CpuTimes::now().is_some());
+        }
+    }
 
     #[test]
     fn busbw_factors_are_the_nccl_tests_ones() {

@@ -35,6 +35,9 @@ enum Cmd {
     Simulate(SimulateArgs),
     /// Diagnose configuration and connectivity (config, master port, interfaces, /dev/shm, fd limit, all-pairs latency/bandwidth).
     Doctor(DoctorArgs),
+    /// A busy process for `bench --noise` (spins until its parent exits).
+    #[command(hide = true)]
+    Spin,
 }
 
 #[derive(Args)]
@@ -255,6 +258,10 @@ struct BenchArgs {
     /// fusion: scale every tensor of the model by this factor (1 = BERT-base).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
+    /// Run this many busy processes beside the ranks (hostile conditions; needs --np); the
+    /// header says so, and the steal time of every size is reported.
+    #[arg(long, default_value_t = 0)]
+    noise: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -814,7 +821,30 @@ fn cmd_bench_compression(a: BenchArgs) -> ExitCode {
 
 fn cmd_bench(a: BenchArgs) -> ExitCode {
     if let (Some(np), false) = (a.np, in_job()) {
-        return exit(spawn_self(np, args_without(&["--np", "-np"])));
+        let noise = match hcomm_cli::workers::start_noise(a.noise) {
+            Ok(n) => n,
+            Err(e) => {
+                hcomm_cli::say!("hcomm bench: --noise {}: {e}", a.noise);
+                return ExitCode::from(1);
+            }
+        };
+        let code = hcomm_cli::workers::spawn_self_env(
+            np,
+            args_without(&["--np", "-np", "--noise"]),
+            false,
+            vec![(
+                hcomm_cli::workers::NOISE_VAR.to_string(),
+                a.noise.to_string(),
+            )],
+        );
+        drop(noise);
+        return exit(code);
+    }
+    if a.noise > 0 {
+        hcomm_cli::say!(
+            "hcomm bench: --noise needs --np (the driver that starts the ranks starts the busy processes too)"
+        );
+        return ExitCode::from(2);
     }
     if a.op == "fusion" {
         return cmd_bench_fusion(a);
@@ -859,6 +889,10 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             target_secs: a.target,
             reps: a.reps,
             window: a.window,
+            noise: std::env::var(hcomm_cli::workers::NOISE_VAR)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         })
     })();
     let o = match parsed {
@@ -1032,5 +1066,6 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Simulate(a) => cmd_simulate(a),
         Cmd::Doctor(a) => cmd_doctor(a),
+        Cmd::Spin => hcomm_cli::workers::spin_until_orphaned(),
     }
 }

@@ -27,6 +27,16 @@ pub fn spawn_self(n: usize, args: Vec<OsString>) -> i32 {
 /// [`spawn_self`]; with `keep_going`, a rank killed by a signal does not stop the others
 /// (`hcomm check --kill`).
 pub fn spawn_self_with(n: usize, args: Vec<OsString>, keep_going: bool) -> i32 {
+    spawn_self_env(n, args, keep_going, Vec::new())
+}
+
+/// [`spawn_self_with`], setting `env` in every rank.
+pub fn spawn_self_env(
+    n: usize,
+    args: Vec<OsString>,
+    keep_going: bool,
+    env: Vec<(String, String)>,
+) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
@@ -37,6 +47,7 @@ pub fn spawn_self_with(n: usize, args: Vec<OsString>, keep_going: bool) -> i32 {
     let mut spec = LaunchSpec::new(n, exe, args);
     spec.prefix_output = false;
     spec.keep_going = keep_going;
+    spec.extra_env = env;
     match launch(&spec) {
         Ok(code) => code,
         Err(e) => {
@@ -89,4 +100,53 @@ pub fn print_line(msg: &str) {
 #[macro_export]
 macro_rules! say {
     ($($t:tt)*) => { $crate::workers::say_line(&format!($($t)*)) };
+}
+
+/// How the driver of `hcomm bench --noise N` tells its ranks about the noise it started.
+pub const NOISE_VAR: &str = "HCOMM_BENCH_NOISE";
+
+/// Busy processes started for `hcomm bench --noise N` (copies of this executable running the
+/// hidden `spin` subcommand); killed when dropped.
+pub struct Noise {
+    kids: Vec<std::process::Child>,
+}
+
+impl Drop for Noise {
+    fn drop(&mut self) {
+        for k in &mut self.kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
+
+/// Start `n` busy processes (none for 0).
+pub fn start_noise(n: usize) -> std::io::Result<Noise> {
+    let mut noise = Noise { kids: Vec::new() };
+    if n > 0 {
+        let exe = std::env::current_exe()?;
+        for _ in 0..n {
+            noise.kids.push(
+                std::process::Command::new(&exe)
+                    .arg("spin")
+                    .stdin(std::process::Stdio::null())
+                    .spawn()?,
+            );
+        }
+    }
+    Ok(noise)
+}
+
+/// The `spin` subcommand: burn a core until the parent (the benchmark's driver) is gone.
+pub fn spin_until_orphaned() -> std::process::ExitCode {
+    let parent = nix::unistd::getppid();
+    let mut x = 0u64;
+    loop {
+        for i in 0..50_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+        }
+        if nix::unistd::getppid() != parent {
+            return std::process::ExitCode::SUCCESS;
+        }
+    }
 }

@@ -314,6 +314,46 @@ fn run_keep_going_lets_the_others_finish_when_a_rank_is_killed() {
 }
 
 #[test]
+fn bench_noise_runs_busy_processes_beside_the_ranks_and_says_so() {
+    let (code, out, err) = hcomm(
+        &[
+            "bench",
+            "allreduce",
+            "--np",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "64K",
+            "-f",
+            "8",
+            "--noise",
+            "2",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("# conditions: 2 busy process(es) beside the ranks (--noise), ")
+            && out.contains("just before the run"),
+        "{out}"
+    );
+    // The driver took its busy processes with it.
+    let left = std::process::Command::new("pgrep")
+        .args(["-f", "hcomm spin"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "busy processes left: {left}");
+    let (code, _, err) = hcomm(
+        &["bench", "allreduce", "--noise", "1"],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--noise needs --np"), "{err}");
+}
+
+#[test]
 fn bad_input_is_rejected_with_a_message() {
     let (code, _, err) = hcomm(
         &["bench", "allreduce", "-np", "2", "-d", "complex"],
