@@ -47,6 +47,10 @@ const HEADER: usize = 128;
 /// Offset in the header of the abort word: 0, or `1 << 63 | reporter << 40 | reason << 32 |
 /// (culprit + 1)` once a rank's communicator failed (first writer wins).
 const ABORT_WORD: usize = 16;
+/// In the header: the CPU each rank last waited on, plus one (0: not known yet), a `u32` per
+/// rank for the first [`CPU_SLOTS`] ranks (see `wait_rank`). Written only when it changes.
+const CPU_AT: usize = 32;
+const CPU_SLOTS: usize = (HEADER - CPU_AT) / 4;
 const LINE: usize = 128;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
@@ -312,6 +316,23 @@ impl ShmGroup {
         Some(reason.remote_error(w.ctx.clone(), reporter, culprit))
     }
 
+    /// Publish the CPU this rank runs on (it is about to wait), and say whether rank `p`
+    /// last waited on the same one.
+    fn publish_cpu(&self, p: usize) -> bool {
+        if self.rank >= CPU_SLOTS || p >= CPU_SLOTS {
+            return false;
+        }
+        let Ok(cpu) = nix::sched::sched_getcpu() else {
+            return false;
+        };
+        let mine = cpu as u32 + 1;
+        let slot = self.seg.atomic_u32(CPU_AT + 4 * self.rank);
+        if slot.load(Ordering::Relaxed) != mine {
+            slot.store(mine, Ordering::Relaxed);
+        }
+        self.seg.atomic_u32(CPU_AT + 4 * p).load(Ordering::Relaxed) == mine
+    }
+
     /// Wait until rank `p` has arrived `target` times.
     fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx) -> Result<()> {
         let line = self.layout.ctrl(p);
@@ -321,8 +342,17 @@ impl ShmGroup {
         }
         let start = Instant::now();
         // Busy phase: spin (or yield when oversubscribed) for the configured time; the clock
-        // is read only every 64 polls so that it does not slow down noticing the peer.
+        // is read only every 64 polls so that it does not slow down noticing the peer. Not
+        // when the peer last waited on this very CPU: it can only arrive once this rank gives
+        // the CPU up, so spinning would only delay it (by the whole spin, every call: the
+        // "slow mode" of a pair the scheduler put on one core), and sleeping at once lets it
+        // run here and its wake-up move this rank to an idle CPU.
+        // (Yielding ranks, outnumbering the cores, let the peer run anyway: no need to know.)
+        let skip = !self.policy.yield_cpu && self.publish_cpu(p);
         'busy: loop {
+            if skip {
+                break 'busy;
+            }
             for _ in 0..64 {
                 if self.policy.yield_cpu {
                     std::thread::yield_now();
@@ -939,5 +969,46 @@ mod zombie_tests {
         assert!(super::is_zombie(pid));
         child.wait().unwrap();
         assert!(!super::is_zombie(std::process::id() as i32));
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+
+    /// Run `f` with this thread pinned to `cpu`, then restore its affinity.
+    fn on_cpu<R>(cpu: usize, f: impl FnOnce() -> R) -> R {
+        let before = sched_getaffinity(Pid::from_raw(0)).unwrap();
+        let mut one = CpuSet::new();
+        one.set(cpu).unwrap();
+        sched_setaffinity(Pid::from_raw(0), &one).unwrap();
+        let r = f();
+        sched_setaffinity(Pid::from_raw(0), &before).unwrap();
+        r
+    }
+
+    #[test]
+    fn a_waiter_knows_when_its_peer_last_waited_on_the_same_cpu() {
+        let name = format!("/hcomm-cpu-test-{}", std::process::id());
+        let layout = Layout {
+            size: 2,
+            chunk: 1 << 16,
+        };
+        let policy = WaitPolicy::for_local_ranks(2, None);
+        let abort = Arc::new(AtomicBool::new(false));
+        let g0 = ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap();
+        let g1 = ShmGroup::attach(&name, layout, 1, policy, abort).unwrap();
+        // Nothing published yet: not known to share.
+        assert!(!on_cpu(0, || g0.publish_cpu(1)));
+        // Rank 0 waited on CPU 0; rank 1 waiting there too shares it, and then rank 0 does.
+        assert!(on_cpu(0, || g1.publish_cpu(0)));
+        assert!(on_cpu(0, || g0.publish_cpu(1)));
+        let cpus = sched_getaffinity(Pid::from_raw(0)).unwrap();
+        if let Some(other) = (1..CpuSet::count()).find(|&c| cpus.is_set(c).unwrap_or(false)) {
+            // Rank 1 last waited on CPU 0; from another CPU, rank 0 does not share it.
+            assert!(!on_cpu(other, || g0.publish_cpu(1)));
+        }
     }
 }
