@@ -143,6 +143,8 @@ pub struct ShmGroup {
     written: u64,
     /// Payload bytes this rank copied or reduced out of the segment.
     read: u64,
+    /// Waits that skipped the spin because the peer shared this rank's CPU (see `wait_rank`).
+    spins_skipped: std::cell::Cell<u64>,
 }
 
 /// What a rank needs to time out and name peers while it waits.
@@ -219,7 +221,14 @@ impl ShmGroup {
             abort,
             written: 0,
             read: 0,
+            spins_skipped: std::cell::Cell::new(0),
         }
+    }
+
+    /// Waits so far that went to sleep at once, without spinning, because the peer waited on
+    /// this rank's CPU (the pair shares a core: spinning would only delay it).
+    pub fn spins_skipped(&self) -> u64 {
+        self.spins_skipped.get()
     }
 
     /// Payload bytes this rank moved through the segment since it was mapped:
@@ -349,6 +358,9 @@ impl ShmGroup {
         // run here and its wake-up move this rank to an idle CPU.
         // (Yielding ranks, outnumbering the cores, let the peer run anyway: no need to know.)
         let skip = !self.policy.yield_cpu && self.publish_cpu(p);
+        if skip {
+            self.spins_skipped.set(self.spins_skipped.get() + 1);
+        }
         'busy: loop {
             if skip {
                 break 'busy;
@@ -978,6 +990,14 @@ mod cpu_tests {
     use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
     use nix::unistd::Pid;
 
+    /// The CPUs this thread may run on.
+    fn allowed() -> Vec<usize> {
+        let cpus = sched_getaffinity(Pid::from_raw(0)).unwrap();
+        (0..CpuSet::count())
+            .filter(|&c| cpus.is_set(c).unwrap_or(false))
+            .collect()
+    }
+
     /// Run `f` with this thread pinned to `cpu`, then restore its affinity.
     fn on_cpu<R>(cpu: usize, f: impl FnOnce() -> R) -> R {
         let before = sched_getaffinity(Pid::from_raw(0)).unwrap();
@@ -1000,15 +1020,67 @@ mod cpu_tests {
         let abort = Arc::new(AtomicBool::new(false));
         let g0 = ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap();
         let g1 = ShmGroup::attach(&name, layout, 1, policy, abort).unwrap();
+        g0.unlink().unwrap(); // both mapped: the name is no longer needed
+        let cpus = allowed();
+        let first = cpus[0];
         // Nothing published yet: not known to share.
-        assert!(!on_cpu(0, || g0.publish_cpu(1)));
-        // Rank 0 waited on CPU 0; rank 1 waiting there too shares it, and then rank 0 does.
-        assert!(on_cpu(0, || g1.publish_cpu(0)));
-        assert!(on_cpu(0, || g0.publish_cpu(1)));
-        let cpus = sched_getaffinity(Pid::from_raw(0)).unwrap();
-        if let Some(other) = (1..CpuSet::count()).find(|&c| cpus.is_set(c).unwrap_or(false)) {
-            // Rank 1 last waited on CPU 0; from another CPU, rank 0 does not share it.
+        assert!(!on_cpu(first, || g0.publish_cpu(1)));
+        // Rank 0 waited on `first`; rank 1 waiting there too shares it, and then rank 0 does.
+        assert!(on_cpu(first, || g1.publish_cpu(0)));
+        assert!(on_cpu(first, || g0.publish_cpu(1)));
+        if let Some(&other) = cpus.get(1) {
+            // Rank 1 last waited on `first`; from another CPU, rank 0 does not share it.
             assert!(!on_cpu(other, || g0.publish_cpu(1)));
+        }
+    }
+
+    /// Two ranks (threads) arrive and wait for each other 200 times, pinned to `cpus`;
+    /// returns each rank's waits that skipped the spin.
+    fn ping_pong(tag: &str, cpus: [usize; 2]) -> [u64; 2] {
+        let name = format!("/hcomm-cpu-pp-{tag}-{}", std::process::id());
+        let layout = Layout {
+            size: 2,
+            chunk: 1 << 16,
+        };
+        let policy = WaitPolicy::for_local_ranks(2, Some(200));
+        let abort = Arc::new(AtomicBool::new(false));
+        let g0 = ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap();
+        let g1 = ShmGroup::attach(&name, layout, 1, policy, abort).unwrap();
+        g0.unlink().unwrap();
+        let run = move |mut g: ShmGroup, cpu: usize| {
+            on_cpu(cpu, move || {
+                let ctx = OpContext::default();
+                let w = WaitCtx {
+                    ctx: &ctx,
+                    deadline: Instant::now() + Duration::from_secs(60),
+                    timeout: Duration::from_secs(60),
+                };
+                let peer = 1 - g.rank;
+                for _ in 0..200 {
+                    let t = g.arrive();
+                    g.wait_rank(peer, t, &w).unwrap();
+                }
+                g.spins_skipped()
+            })
+        };
+        let a = std::thread::spawn(move || run(g0, cpus[0]));
+        let b = std::thread::spawn(move || run(g1, cpus[1]));
+        [a.join().unwrap(), b.join().unwrap()]
+    }
+
+    #[test]
+    fn a_pair_on_one_cpu_stops_spinning_and_a_pair_on_two_spins() {
+        // On one CPU, a spinning waiter would hold off its peer for the whole spin on every
+        // call; the pair must see that and sleep instead. (Counts, not times.)
+        let cpus = allowed();
+        let same = ping_pong("same", [cpus[0], cpus[0]]);
+        assert!(
+            same.iter().sum::<u64>() > 0,
+            "a pair pinned to one CPU never skipped the spin: {same:?}"
+        );
+        if let Some(&other) = cpus.get(1) {
+            let apart = ping_pong("apart", [cpus[0], other]);
+            assert_eq!(apart, [0, 0], "a pair on two CPUs must keep spinning");
         }
     }
 }
