@@ -45,7 +45,8 @@ impl Communicator {
         }
         // One short connection to every peer: its acceptor marks the communicator revoked and
         // wakes it, whatever it is doing.
-        self.notifier.notify_all(self.timeout());
+        let by = self.revocation.revoked_by().unwrap_or(self.rank);
+        self.notifier.notify_all(by, self.timeout());
     }
 
     /// True once this communicator was revoked (by this rank or, as far as this rank has

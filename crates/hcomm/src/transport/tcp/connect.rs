@@ -134,11 +134,11 @@ pub(super) fn accept_loop(
                     let r = authenticate(sock, &me, &counters);
                     drop(slot);
                     match r {
-                        Ok((peer, Purpose::Revoke, _)) => {
+                        Ok((peer, Purpose::Revoke(by), _)) => {
                             // Handled here, whatever this rank is doing: every wait gives up
                             // (the progress loop is woken to see it).
-                            tracing::warn!(peer, "this communicator was revoked by rank {peer}");
-                            revocation.revoke(peer);
+                            tracing::warn!(peer, "this communicator was revoked by rank {by} (notice from rank {peer})");
+                            revocation.revoke(by);
                             let _ = (&*waker).write(&[1]);
                         }
                         Ok((peer, purpose, sock)) => {
@@ -164,8 +164,9 @@ pub(super) enum Purpose {
     Link(usize),
     /// A recovery connection ([`super::recovery`]): the agreement of a shrink.
     Recovery,
-    /// A revocation notice: the dialer revoked the communicator (nothing else follows).
-    Revoke,
+    /// A revocation notice: the communicator was revoked by the rank named in the four bytes
+    /// that follow the announce (the dialer, or the rank it heard it from first).
+    Revoke(usize),
 }
 
 /// The announce bytes of a recovery connection (`nsocks` 0 never names a data link).
@@ -229,7 +230,23 @@ pub(super) fn authenticate(
         })?;
         match a {
             ANNOUNCE_RECOVERY => return Ok((hello.rank as usize, Purpose::Recovery)),
-            ANNOUNCE_REVOKE => return Ok((hello.rank as usize, Purpose::Revoke)),
+            ANNOUNCE_REVOKE => {
+                // Who revoked: four bytes (within the same deadline).
+                let mut b = [0u8; 4];
+                stream.read_exact(&mut b).map_err(|e| match e.kind() {
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        HandshakeError::TimedOut(PRE_AUTH_DEADLINE)
+                    }
+                    _ => HandshakeError::Closed,
+                })?;
+                let by = u32::from_le_bytes(b) as usize;
+                let by = if by < me.size {
+                    by
+                } else {
+                    hello.rank as usize
+                };
+                return Ok((hello.rank as usize, Purpose::Revoke(by)));
+            }
             _ => {}
         }
         let (stripe, nsocks) = (a[0] as usize, a[1] as usize);
@@ -441,7 +458,7 @@ impl TcpLinks {
                     self.recovery.accepted(peer, sock);
                     continue;
                 }
-                Purpose::Revoke => continue,
+                Purpose::Revoke(_) => continue,
             };
             if self.inb[peer].is_some() {
                 // We already connected to that higher rank: dropping this ask tells it so.

@@ -36,7 +36,9 @@ impl Notifier {
     /// short connection each, all at once, tried again (a loaded machine may be slow to
     /// answer) until it is delivered, the rank is found gone (its listener refuses), or
     /// `within` has passed.
-    pub fn notify_all(&self, within: Duration) {
+    /// The notice names `by`, the rank that revoked it (this one, or the first revoker this
+    /// rank heard of), so every rank reports the same revoker.
+    pub fn notify_all(&self, by: usize, within: Duration) {
         let me = self.dialer.me.rank;
         for peer in (0..self.dialer.peers.len()).filter(|&p| p != me) {
             let dialer = self.dialer.clone();
@@ -50,9 +52,19 @@ impl Notifier {
                     let give_up = Instant::now() + within;
                     loop {
                         let deadline = (Instant::now() + DIAL_WITHIN).min(give_up);
-                        match dialer.dial_once(&ctx, peer, ANNOUNCE_REVOKE, deadline) {
+                        let sent = dialer
+                            .dial_once(&ctx, peer, ANNOUNCE_REVOKE, deadline)
+                            .and_then(|s| {
+                                let mut s = TcpStream::from(s);
+                                let _ = s.set_nonblocking(false);
+                                let _ = s.set_write_timeout(Some(DIAL_WITHIN));
+                                s.write_all(&(by as u32).to_le_bytes()).map_err(|e| {
+                                    DialError::Handshake(HandshakeError::Io(e.to_string()))
+                                })
+                            });
+                        match sent {
                             // The acceptor reads nothing more: closing ends the notice.
-                            Ok(_) => {
+                            Ok(()) => {
                                 tracing::debug!(peer, "revocation notice delivered");
                                 return;
                             }
