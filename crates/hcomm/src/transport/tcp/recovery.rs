@@ -5,9 +5,9 @@
 //! (the acceptor tells them apart by the two bytes after the handshake, `Purpose`), so they
 //! never meet a data link's half-sent frames:
 //!
-//! * a **revocation notice** carries nothing: the peer's acceptor thread marks the
-//!   communicator revoked by the dialer and wakes its progress loop, whatever the peer is doing
-//!   ([`Notifier`]);
+//! * a **revocation notice** carries only the revoker's rank (four bytes): the peer's acceptor
+//!   thread marks the communicator revoked by it and wakes its progress loop, whatever the peer
+//!   is doing ([`Notifier`]);
 //! * a **recovery connection** per ordered pair (each rank dials every other once, at the
 //!   first shrink, and sends on that connection; it reads what the peers dialed): messages
 //!   `[u32 length][bytes]`. A rank is reported [`MeshEvent::Gone`] when its listener refuses
