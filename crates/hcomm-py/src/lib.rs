@@ -549,8 +549,15 @@ impl PyComm {
         async_op: bool,
     ) -> PyResult<Option<PyWork>> {
         let b = buffer("send", "tensor", buf, false)?;
-        // SAFETY: the object outlives the job (see all_reduce), and it is only read.
-        self.dispatch(py, "send", async_op, keep(&[Some(buf)]), move |c| unsafe {
+        if async_op {
+            // Posted: it progresses with every other posted send and receive (any order).
+            let kept = work::Kept::new(b, keep(&[Some(buf)]));
+            return Ok(Some(work::started(
+                self.comm.send_async::<u8, _>(peer, tag, kept),
+            )));
+        }
+        // SAFETY: the object outlives the call, and it is only read.
+        self.dispatch(py, "send", false, Vec::new(), move |c| unsafe {
             c.send_bytes(peer, tag, b.bytes())
         })
     }
@@ -567,8 +574,15 @@ impl PyComm {
         async_op: bool,
     ) -> PyResult<Option<PyWork>> {
         let b = buffer("recv", "tensor", buf, true)?;
-        // SAFETY: the object outlives the job (see all_reduce), and this is its only view.
-        self.dispatch(py, "recv", async_op, keep(&[Some(buf)]), move |c| unsafe {
+        if async_op {
+            // Posted: see `send`.
+            let kept = work::Kept::new(b, keep(&[Some(buf)]));
+            return Ok(Some(work::started(
+                self.comm.recv_async::<u8, _>(peer, tag, kept),
+            )));
+        }
+        // SAFETY: the object outlives the call, and this is its only view.
+        self.dispatch(py, "recv", false, Vec::new(), move |c| unsafe {
             c.recv_bytes(peer, tag, b.bytes_mut())
         })
     }

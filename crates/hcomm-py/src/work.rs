@@ -21,16 +21,41 @@ impl Drop for Keep {
     }
 }
 
+/// An operation in flight, whatever its result type (the buffers it gives back are the
+/// Python objects' own memory: nothing to return).
+trait Pending: Send {
+    fn wait(self: Box<Self>) -> Result<(), Error>;
+    fn wait_timeout(&mut self, d: Duration) -> Result<(), Error>;
+}
+
+impl<R: Send> Pending for hcomm::Work<R> {
+    fn wait(self: Box<Self>) -> Result<(), Error> {
+        hcomm::Work::wait(*self).map(drop)
+    }
+
+    fn wait_timeout(&mut self, d: Duration) -> Result<(), Error> {
+        hcomm::Work::wait_timeout(self, d).map(drop)
+    }
+}
+
 enum State {
-    Pending(hcomm::Work<()>),
+    Pending(Box<dyn Pending>),
     Done(Result<(), Error>),
+}
+
+/// How a handle learns that its operation finished without waiting for it.
+enum Finished {
+    /// Set when the job (and the Python objects it kept) is done.
+    Flag(Arc<AtomicBool>),
+    /// The core's own completion state.
+    Probe(hcomm::Completion),
 }
 
 /// A handle on an asynchronous operation (see `hcomm.Work`).
 #[pyclass(name = "Work", module = "hcomm._hcomm", frozen)]
 pub struct PyWork {
     state: Mutex<State>,
-    done: Arc<AtomicBool>,
+    done: Finished,
     op: &'static str,
 }
 
@@ -53,9 +78,53 @@ pub fn submit(
         r
     });
     PyWork {
-        state: Mutex::new(State::Pending(work)),
-        done,
+        state: Mutex::new(State::Pending(Box::new(work))),
+        done: Finished::Flag(done),
         op,
+    }
+}
+
+/// A handle on an operation the core started itself (a posted send or receive, whose buffer
+/// keeps the Python objects alive).
+pub fn started<R: Send + 'static>(work: hcomm::Work<R>) -> PyWork {
+    PyWork {
+        op: work.op(),
+        done: Finished::Probe(work.completion()),
+        state: Mutex::new(State::Pending(Box::new(work))),
+    }
+}
+
+/// The bytes of Python objects, kept alive by the operation that owns this (a posted send or
+/// receive: see `hcomm::Communicator::send_async`).
+pub struct Kept {
+    buf: crate::buffer::Buf,
+    _objects: Vec<Py<PyAny>>,
+}
+
+impl Kept {
+    pub fn new(buf: crate::buffer::Buf, objects: Vec<Py<PyAny>>) -> Kept {
+        Kept {
+            buf,
+            _objects: objects,
+        }
+    }
+}
+
+impl AsRef<[u8]> for Kept {
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `_objects` keeps the object alive as long as this exists, and the range
+        // was checked to be its contiguous data; the core reads it only.
+        unsafe { self.buf.bytes() }
+    }
+}
+
+impl AsMut<[u8]> for Kept {
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_ref`; the object reported the range writable, and the core's
+        // receive holds the only view while it is in flight.
+        unsafe { self.buf.bytes_mut() }
     }
 }
 
@@ -104,7 +173,10 @@ impl PyWork {
 
     /// True once the operation has finished (successfully or not). Never blocks.
     fn is_completed(&self) -> bool {
-        self.done.load(Ordering::Acquire)
+        match &self.done {
+            Finished::Flag(f) => f.load(Ordering::Acquire),
+            Finished::Probe(p) => p.is_completed(),
+        }
     }
 
     /// The operation's name.

@@ -303,6 +303,17 @@ impl<R> Work<R> {
         self.slot.done.load(Ordering::Acquire)
     }
 
+    /// A handle that tells whether this operation has finished, usable after the `Work` was
+    /// moved into a waiting thread (for bindings that answer `is_completed` while another
+    /// thread waits).
+    pub fn completion(&self) -> Completion
+    where
+        R: Send + 'static,
+    {
+        let slot = self.slot.clone();
+        Completion(Arc::new(move || slot.done.load(Ordering::Acquire)))
+    }
+
     /// Same as [`is_completed`](Self::is_completed) (MPI's `MPI_Test`, torch's `Work.is_completed`).
     pub fn test(&self) -> bool {
         self.is_completed()
@@ -355,6 +366,25 @@ impl<R> Work<R> {
             }
         }
         g.take().unwrap_or(Err(Error::AlreadyTaken { op: self.op }))
+    }
+}
+
+/// Whether an asynchronous operation has finished (see [`Work::completion`]).
+#[derive(Clone)]
+pub struct Completion(Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl Completion {
+    /// True once the operation has finished (successfully or not). Never blocks.
+    pub fn is_completed(&self) -> bool {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Completion")
+            .field(&self.is_completed())
+            .finish()
     }
 }
 

@@ -104,6 +104,69 @@ impl Drop for LentBuf {
     }
 }
 
+/// A buffer an asynchronous point-to-point operation owns while it is in flight
+/// ([`crate::comm::posted`]), and the view of its bytes the progress loop uses.
+///
+/// The progress loop's operations borrow their bytes for as long as they run, and new
+/// operations join a running loop, so the bytes cannot be a borrow of anything the loop owns.
+/// [`hold_for_send`] and [`hold_for_recv`] therefore keep the buffer behind a raw pointer (from
+/// `Box::into_raw`, so moving the `Held` moves neither the buffer nor its bytes) and return a
+/// view of unbounded lifetime beside it, under one invariant that their only user,
+/// `comm::posted`, upholds: **a view is used only while its `Held` exists and never after
+/// [`Held::into_inner`]**. The progress loop drops every frame that borrows a message's view
+/// before it completes the message's `Work` (`Flight::complete`, `Flight::fail_all`), which is
+/// what calls `into_inner`; a message refused before it starts never uses its view.
+pub(crate) struct Held<B> {
+    owner: *mut B,
+}
+
+// SAFETY: a Held is the only owner of its buffer; moving it to another thread is moving a
+// `Box<B>` (the view handed out beside it follows the invariant above).
+unsafe impl<B: Send> Send for Held<B> {}
+
+/// Own `buf`, whose bytes will only be read (a send); its bytes, viewed under [`Held`]'s
+/// invariant.
+pub(crate) fn hold_for_send<T: bytemuck::Pod, B: AsRef<[T]> + 'static>(
+    buf: B,
+) -> (&'static [u8], Held<B>) {
+    let owner = Box::into_raw(Box::new(buf));
+    // SAFETY: `owner` comes from `Box::into_raw` just above: valid, aligned and unaliased. The
+    // view outlives this borrow only under the invariant of `Held` (the buffer stays where it
+    // is until `into_inner` or drop, and the view is not used after them).
+    let bytes: &'static [u8] = bytemuck::cast_slice(unsafe { &*owner }.as_ref());
+    (bytes, Held { owner })
+}
+
+/// Own `buf`, whose bytes will be written (a receive); the only view of its bytes, under
+/// [`Held`]'s invariant.
+pub(crate) fn hold_for_recv<T: bytemuck::Pod, B: AsMut<[T]> + 'static>(
+    buf: B,
+) -> (&'static mut [u8], Held<B>) {
+    let owner = Box::into_raw(Box::new(buf));
+    // SAFETY: as in `hold_for_send`; nothing else views the buffer until `into_inner`.
+    let bytes: &'static mut [u8] = bytemuck::cast_slice_mut(unsafe { &mut *owner }.as_mut());
+    (bytes, Held { owner })
+}
+
+impl<B> Held<B> {
+    /// The buffer back (every view of it is gone: the type's invariant).
+    pub(crate) fn into_inner(self) -> B {
+        let owner = self.owner;
+        std::mem::forget(self);
+        // SAFETY: `owner` comes from `Box::into_raw` and is turned back only here (the drop
+        // that would do it too is skipped).
+        *unsafe { Box::from_raw(owner) }
+    }
+}
+
+impl<B> Drop for Held<B> {
+    fn drop(&mut self) {
+        // SAFETY: `owner` comes from `Box::into_raw`; `into_inner` forgets the Held, so this
+        // runs at most once and only when the buffer was not given back.
+        drop(unsafe { Box::from_raw(self.owner) });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +182,17 @@ mod tests {
             });
         });
         assert!(data.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn a_held_buffer_is_written_through_its_view_and_given_back() {
+        let (bytes, held) = hold_for_recv(vec![0u32; 4]);
+        bytes[4] = 1;
+        assert_eq!(held.into_inner(), [0, 1, 0, 0]);
+        // An array moves into the box: the view is of the boxed copy.
+        let (bytes, held) = hold_for_send([7u8, 8, 9]);
+        assert_eq!(bytes, &[7, 8, 9]);
+        assert_eq!(held.into_inner(), [7, 8, 9]);
+        drop(hold_for_send(vec![1u8; 3]).1); // freed without being given back
     }
 }

@@ -33,7 +33,9 @@ pub mod history;
 // Buffers borrowed from a caller (`&'env mut [u8]`) and lent to engine jobs as raw pointers.
 // Invariant: a lent buffer is used only while its `LentBuf` exists, and `lent::scope` returns
 // (or unwinds) only after every `LentBuf` lent in it was dropped, so the borrow outlives every
-// use (see the module's documentation).
+// use (see the module's documentation). And buffers owned by posted point-to-point
+// (`lent::Held`): a view is used only while its `Held` exists, which `comm::posted` upholds
+// (it drops the frames that borrow a message's bytes before completing the message).
 #[allow(unsafe_code)]
 mod lent;
 pub mod shm;
@@ -53,6 +55,6 @@ pub use comm::{Collective, Communicator, Connection};
 pub use compress::{CompressionState, Compressor, Density};
 pub use config::BootstrapConfig;
 pub use dtype::{DType, Element, ReduceOp};
-pub use engine::Work;
+pub use engine::{Completion, Work};
 pub use error::{Error, OpContext, Result};
 pub use sparse::SparseRows;

@@ -21,6 +21,7 @@ const FLOORS: &[(&str, u8)] = &[
     ("history", 2),
     ("engine", 2),
     ("wait", 2),
+    ("lent", 2),
     ("transport", 3),
     ("shm", 3),
     ("bootstrap", 3),
@@ -29,7 +30,6 @@ const FLOORS: &[(&str, u8)] = &[
     ("compress", 6),
     ("fusion", 6),
     ("sparse", 6),
-    ("lent", 6),
     // Test doubles and fuzz entry points sit on top: they may use everything.
     ("fuzzing", 7),
     ("testing", 7),

@@ -3,7 +3,9 @@
 //! buffers back with the result.
 //!
 //! Operations on one communicator run in the order they were issued, blocking and
-//! non-blocking alike (a blocking call issued after an asynchronous one waits for it). Use
+//! non-blocking alike (a blocking call issued after an asynchronous one waits for it), except
+//! point-to-point: `send_async` / `recv_async` post messages that progress together in the
+//! background, in any order ([`crate::comm::posted`]). Use
 //! several communicators ([`Communicator::split`], [`Communicator::new_group`]) for operations
 //! that must make progress independently.
 //!
@@ -185,36 +187,6 @@ impl Communicator {
     /// Non-blocking [`barrier`](Self::barrier).
     pub fn barrier_async(self: &Arc<Self>) -> Work<()> {
         self.run_async("barrier", |c| c.barrier())
-    }
-
-    /// Non-blocking [`send`](Self::send); returns the buffer.
-    ///
-    /// Like every operation it runs in issue order: a large send (rendezvous) holds up later
-    /// operations on this communicator until the peer posts the matching receive.
-    pub fn send_async<T, S>(self: &Arc<Self>, peer: usize, tag: u32, buf: S) -> Work<S>
-    where
-        T: Element,
-        S: AsRef<[T]> + Send + 'static,
-    {
-        self.run_async("send", move |c| {
-            c.send(peer, tag, buf.as_ref())?;
-            Ok(buf)
-        })
-    }
-
-    /// Non-blocking [`recv`](Self::recv); returns the filled buffer.
-    ///
-    /// Like every operation it runs in issue order: until the message arrives, later operations
-    /// on this communicator wait (post receives on their own communicator to avoid that).
-    pub fn recv_async<T, B>(self: &Arc<Self>, peer: usize, tag: u32, mut buf: B) -> Work<B>
-    where
-        T: Element,
-        B: AsMut<[T]> + Send + 'static,
-    {
-        self.run_async("recv", move |c| {
-            c.recv(peer, tag, buf.as_mut())?;
-            Ok(buf)
-        })
     }
 
     /// Non-blocking [`signal`](Self::signal).

@@ -296,6 +296,7 @@ impl Communicator {
             token,
             listen_addr,
             link_counters,
+            posted: Default::default(),
             engine: Engine::default(),
         })
     }

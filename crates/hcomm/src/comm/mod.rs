@@ -27,6 +27,7 @@ mod groups;
 mod grow;
 mod join;
 mod p2p;
+pub mod posted;
 mod shm_setup;
 mod shrink;
 pub mod traffic;
@@ -196,6 +197,8 @@ pub struct Communicator {
     /// Where this rank accepts data links, and what became of the connections there.
     listen_addr: SocketAddr,
     link_counters: Arc<crate::auth::Counters>,
+    /// Point-to-point messages posted for the progress loop ([`posted`]).
+    posted: posted::Posted,
     /// Turn-taking and the engine thread of asynchronous operations (see [`crate::engine`]).
     /// Declared last: dropped after everything above, so the engine thread never outlives a
     /// communicator a job still uses (jobs hold the communicator through an `Arc`).

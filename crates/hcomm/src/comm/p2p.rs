@@ -20,7 +20,9 @@ impl Communicator {
     /// and the receiver buffers it until its matching [`recv`](Self::recv). Larger messages are
     /// rendezvous: `send` returns once the receiver has posted the matching receive and the
     /// data is handed over (two ranks that both send a large message to each other before
-    /// receiving wait until the timeout; use [`send_recv`](Self::send_recv) to exchange).
+    /// receiving wait until the timeout; use [`send_recv`](Self::send_recv) to exchange, or
+    /// post with [`send_async`](Self::send_async)). Issued while posted messages are in flight,
+    /// it joins them.
     /// Sizes must match: a mismatch fails the receive, and the send (large messages) or the
     /// sender's next point-to-point call with that peer (eager ones).
     pub fn send<T: Element>(&self, peer: usize, tag: u32, buf: &[T]) -> Result<()> {
@@ -62,7 +64,7 @@ impl Communicator {
     fn p2p(
         &self,
         send: Option<(usize, u32, &[u8])>,
-        recv: Option<(usize, u32, &mut [u8])>,
+        mut recv: Option<(usize, u32, &mut [u8])>,
     ) -> Result<()> {
         let op = match (&send, &recv) {
             (Some(_), Some(_)) => "send_recv",
@@ -74,6 +76,11 @@ impl Communicator {
         }
         if let Some((p, _, _)) = &recv {
             self.check_peer(op, *p)?;
+        }
+        // Messages posted with `send_async` / `recv_async` are being carried: join them (the
+        // progress loop holds the turn, and may wait for this very message).
+        if let Some(r) = self.join_progress_loop(send, &mut recv) {
+            return r;
         }
         let (mut inner, ctx) = self.lock(op)?;
         let timeout = self.timeout();
@@ -307,7 +314,7 @@ fn p2p_protocol(
                         ));
                     } else if h.kind == Kind::Rts {
                         sends.push(SendOp::new(peer, answer(Kind::Ready), &[]));
-                        recvs.push(RecvOp::p2p_data(peer, h.tag, buf));
+                        recvs.push(RecvOp::p2p_data(peer, h.tag, h.seq, buf));
                     }
                 }
                 _ => unreachable!("only p2p frames are awaited here"),

@@ -164,6 +164,12 @@ impl P2pShm {
         }
     }
 
+    /// Wake this rank's own sleep on its doorbell (another thread of this process has work
+    /// for it).
+    pub fn wake_self(&self) {
+        self.notify(self.me);
+    }
+
     /// Sleep on this rank's doorbell for at most `timeout`, unless `ready()` (which must look
     /// at the rings this rank waits for) says there is something to do already.
     pub fn sleep(&self, ready: impl Fn() -> bool, timeout: Duration) {

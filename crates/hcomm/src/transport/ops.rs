@@ -199,20 +199,19 @@ pub enum Expect {
         /// Message id (the RTS's `seq`).
         id: u64,
     },
-    /// Point-to-point data with this tag, after the RTS/Ready handshake.
-    P2pData(u32),
+    /// Point-to-point data of message `id` (the sender's RTS `seq`) with `tag`, after the
+    /// RTS/Ready handshake.
+    P2pData {
+        /// User tag.
+        tag: u32,
+        /// Message id.
+        id: u64,
+    },
     /// The first frame of a point-to-point message with this tag: eager data, or an RTS.
     P2pFirst(u32),
 }
 
 impl Expect {
-    pub(super) fn p2p_tag(&self) -> Option<u32> {
-        match *self {
-            Expect::P2pData(t) | Expect::P2pFirst(t) => Some(t),
-            _ => None,
-        }
-    }
-
     /// Does a control frame `h` (or a stashed eager message, `eager`) satisfy this?
     pub(super) fn accepts(&self, h: &Header, eager: bool) -> bool {
         match *self {
@@ -221,14 +220,14 @@ impl Expect {
                 !eager && matches!(h.kind, Kind::Ready | Kind::Nack) && h.tag == tag && h.seq == id
             }
             Expect::P2pFirst(tag) => h.tag == tag && (eager || h.kind == Kind::Rts),
-            Expect::Coll(_) | Expect::P2pData(_) => false,
+            Expect::Coll(_) | Expect::P2pData { .. } => false,
         }
     }
 
     /// Can the frame this waits for be striped? (Only data whose size both sides know:
     /// collective frames and agreed point-to-point data.)
     pub(super) fn striped(&self) -> bool {
-        matches!(self, Expect::Coll(_) | Expect::P2pData(_))
+        matches!(self, Expect::Coll(_) | Expect::P2pData { .. })
     }
 }
 
@@ -347,9 +346,9 @@ impl<'a> RecvOp<'a> {
         Self::make(peer, Expect::P2pFirst(tag), Sink::Buf(buf))
     }
 
-    /// Receive rendezvous data with `tag` into `buf`.
-    pub fn p2p_data(peer: usize, tag: u32, buf: &'a mut [u8]) -> RecvOp<'a> {
-        Self::make(peer, Expect::P2pData(tag), Sink::Buf(buf))
+    /// Receive the rendezvous data of message `id` with `tag` into `buf`.
+    pub fn p2p_data(peer: usize, tag: u32, id: u64, buf: &'a mut [u8]) -> RecvOp<'a> {
+        Self::make(peer, Expect::P2pData { tag, id }, Sink::Buf(buf))
     }
 
     /// Receive a control frame of one of `kinds`.
@@ -493,7 +492,7 @@ pub(super) fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[Re
                 len: r.sink.len() as u64,
                 ..fp
             }),
-            Expect::P2pData(t) | Expect::P2pFirst(t) => {
+            Expect::P2pData { tag: t, .. } | Expect::P2pFirst(t) => {
                 format!("recv(tag={t}, {} bytes)", r.sink.len())
             }
             Expect::Reply { tag, .. } => format!("the go-ahead for its send(tag={tag})"),

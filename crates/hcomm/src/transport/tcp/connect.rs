@@ -32,8 +32,10 @@ pub(super) struct Acceptor {
     pub(super) addr: SocketAddr,
     /// Authenticated connections: (peer rank, what it is for, socket).
     pub(super) accepted: mpsc::Receiver<(usize, Purpose, Socket)>,
-    /// Readable when `accepted` has something.
+    /// Readable when `accepted` has something (or someone interrupted the progress loop).
     pub(super) wake: UnixStream,
+    /// The other end of `wake` (the accept thread writes to it as well).
+    pub(super) waker: Arc<UnixStream>,
     pub(super) stop: Arc<AtomicBool>,
     pub(super) counters: Arc<Counters>,
 }
@@ -55,13 +57,16 @@ impl Acceptor {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
         let (st, c) = (stop.clone(), counters.clone());
+        let waker = Arc::new(waker);
+        let w = waker.clone();
         std::thread::Builder::new()
             .name("hcomm-accept".into())
-            .spawn(move || accept_loop(listener, me, tx, Arc::new(waker), st, c, revocation))?;
+            .spawn(move || accept_loop(listener, me, tx, w, st, c, revocation))?;
         Ok(Acceptor {
             addr,
             accepted,
             wake,
+            waker,
             stop,
             counters,
         })

@@ -134,6 +134,8 @@ pub struct TcpLinks {
     op_timeout: Duration,
     /// poll(2) saw the acceptor hand over a connection.
     listener_ready: bool,
+    /// Set by an [`Interrupter`]: an exchange that may return early (`any`) returns.
+    interrupted: Arc<AtomicBool>,
     /// Bytes written to the links (frame headers and payload), ever: `[tcp, shm]`.
     sent: [u64; 2],
     /// Bytes of frames (headers and payload) taken from the links, ever: `[tcp, shm]`.
@@ -164,6 +166,27 @@ impl Revocation {
         match self.by.load(Ordering::SeqCst) {
             0 => None,
             r => Some(r as usize - 1),
+        }
+    }
+}
+
+/// Wakes an exchange of [`TcpLinks`] that may return early (see [`TcpLinks::interrupter`]).
+#[derive(Clone)]
+pub struct Interrupter {
+    flag: Arc<AtomicBool>,
+    waker: Arc<UnixStream>,
+    shm: Option<Arc<P2pShm>>,
+}
+
+impl Interrupter {
+    /// Make the links' current (or next) exchange with `any` return.
+    pub fn interrupt(&self) {
+        self.flag.store(true, Ordering::Release);
+        // Wakes poll(2): the wake-up socket is in every poll set. A full socket means a wake-up
+        // is pending already.
+        let _ = (&*self.waker).write(&[1]);
+        if let Some(shm) = &self.shm {
+            shm.wake_self();
         }
     }
 }
@@ -254,6 +277,7 @@ impl TcpLinks {
             next_id: 0,
             op_timeout: Duration::ZERO,
             listener_ready: false,
+            interrupted: Arc::new(AtomicBool::new(false)),
             sent: [0; 2],
             received: [0; 2],
         })
@@ -325,6 +349,17 @@ impl TcpLinks {
     /// True if this rank has any link (socket or pipe) a peer could hear a notice on.
     pub fn any_links(&self) -> bool {
         self.inb.iter().any(|l| l.is_some())
+    }
+
+    /// A handle that makes a running [`exchange_until`](Self::exchange_until) with `any`
+    /// return soon (at once, or from its wait on sockets or the shared-memory doorbell), from
+    /// any thread: how new work reaches a progress loop that is already waiting.
+    pub fn interrupter(&self) -> Interrupter {
+        Interrupter {
+            flag: self.interrupted.clone(),
+            waker: self.acceptor.waker.clone(),
+            shm: self.shm.clone(),
+        }
     }
 
     /// The abort flag every wait of these links checks (the communicator's: set by `abort`,

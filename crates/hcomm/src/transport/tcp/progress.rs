@@ -144,7 +144,10 @@ impl TcpLinks {
             if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
                 return Ok(());
             }
-            if any && recvs.iter().any(|r| r.done()) {
+            if any
+                && (recvs.iter().any(|r| r.done())
+                    || self.interrupted.swap(false, Ordering::AcqRel))
+            {
                 return Ok(());
             }
             if missing {
@@ -204,7 +207,9 @@ impl TcpLinks {
             peers.push(r.peer);
             let what = match r.expect {
                 Expect::Coll(h) => format!("step {}", h.tag),
-                Expect::P2pData(tag) | Expect::P2pFirst(tag) => format!("message tag {tag}"),
+                Expect::P2pData { tag, .. } | Expect::P2pFirst(tag) => {
+                    format!("message tag {tag}")
+                }
                 Expect::Reply { tag, .. } => format!("the go-ahead for message tag {tag}"),
                 Expect::Control(_, tag) => format!("signal/handshake tag {tag}"),
             };
@@ -612,11 +617,20 @@ impl TcpLinks {
                     inb.cur = Some((Target::Recv(p.id), len));
                 }
                 Kind::P2p => {
-                    let matched = pending_of(recvs, &|r| r.expect.p2p_tag() == Some(hdr.tag));
+                    // Rendezvous data goes to the receive that agreed on its message id; any
+                    // other frame with the tag is the first frame of a message (eager data),
+                    // for the first receive posted for the tag.
+                    let matched = pending_of(recvs, &|r| {
+                        matches!(r.expect, Expect::P2pData { tag, id } if tag == hdr.tag && id == hdr.seq)
+                    })
+                    .or_else(|| {
+                        pending_of(recvs, &|r| matches!(r.expect, Expect::P2pFirst(tag) if tag == hdr.tag))
+                    });
                     // The sender puts the message size in `count`, and in `len` too unless the
                     // frame is one stripe of agreed (RTS / Ready) data.
                     let stripe_of_data = matched.is_some_and(|(i, _)| {
-                        matches!(recvs[i].expect, Expect::P2pData(_)) && recvs[i].parts.len() > 1
+                        matches!(recvs[i].expect, Expect::P2pData { .. })
+                            && recvs[i].parts.len() > 1
                     });
                     if hdr.count != hdr.len && !stripe_of_data {
                         return Err(protocol(format!(
@@ -632,7 +646,7 @@ impl TcpLinks {
                         match r.expect {
                             // The size was agreed (RTS / Ready): anything else is not our peer's
                             // program.
-                            Expect::P2pData(_) if !fits || hdr.count != whole as u64 => {
+                            Expect::P2pData { .. } if !fits || hdr.count != whole as u64 => {
                                 return Err(protocol(format!(
                                     "{len}-byte data with tag {} after agreeing on {} bytes",
                                     hdr.tag,

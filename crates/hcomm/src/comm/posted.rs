@@ -1,0 +1,612 @@
+//! Point-to-point operations that progress in the background: [`Communicator::send_async`]
+//! and [`Communicator::recv_async`] post a message and return at once.
+//!
+//! Posted messages are carried by one *progress loop* per communicator, an engine job that
+//! drives every posted send and receive at once (the same protocol as the blocking calls:
+//! eager messages up to [`EAGER_MAX`] bytes, RTS / Ready / data above, size mismatches
+//! reported to both ends). Messages posted while the loop runs join it at once, so no posting
+//! order can deadlock: both ranks receiving first, both sending first (large messages
+//! included), many messages outstanding per peer, all pairs at once.
+//!
+//! Ordering with the rest:
+//! * The loop takes a turn like any operation (see [`crate::engine`]): an operation issued
+//!   while messages are posted runs once every message posted before it has completed (and
+//!   any posted meanwhile). A blocking `send` / `recv` / `send_recv` issued while the loop is
+//!   queued or running joins it instead, so it cannot wait for the loop that waits for it.
+//! * Messages between two ranks with one tag are matched in the order they were posted.
+//!
+//! Memory: nothing is copied; each posted buffer belongs to its operation until its [`Work`]
+//! is done. What a peer sends before its receive is posted is what the blocking calls buffer:
+//! eager messages only, at most [`MAX_UNEXPECTED_BYTES`](crate::transport::tcp::MAX_UNEXPECTED_BYTES)
+//! per peer (large messages wait for the receive).
+
+use super::{Communicator, Inner};
+use crate::base::dtype::Element;
+use crate::base::error::{Error, OpContext, Result};
+use crate::engine::{Slot, Work};
+use crate::lent::{hold_for_recv, hold_for_send, Held};
+use crate::transport::tcp::{Interrupter, RecvOp, SendOp, TcpLinks, EAGER_MAX};
+use crate::wire::frame::{Header, Kind};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Messages posted and not yet taken by the progress loop, and whether a loop is queued or
+/// running.
+#[derive(Default)]
+pub(crate) struct Posted {
+    state: Mutex<PostedState>,
+}
+
+#[derive(Default)]
+struct PostedState {
+    new: Vec<Message>,
+    /// A progress loop is queued or running: it will take what is posted.
+    driving: bool,
+    /// Wakes the running loop when something is posted.
+    interrupter: Option<Interrupter>,
+}
+
+impl Posted {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PostedState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True while a progress loop is queued or running.
+    pub(crate) fn driving(&self) -> bool {
+        self.lock().driving
+    }
+
+    /// Hand `m` to the progress loop: `true` when the caller must start one.
+    fn push(&self, m: Message) -> bool {
+        let mut st = self.lock();
+        st.new.push(m);
+        if let Some(i) = &st.interrupter {
+            i.interrupt();
+        }
+        !std::mem::replace(&mut st.driving, true)
+    }
+
+    /// Hand `messages` to the progress loop if one is queued or running (all or none); else
+    /// give them back.
+    fn push_if_driving(&self, messages: Vec<Message>) -> std::result::Result<(), Vec<Message>> {
+        let mut st = self.lock();
+        if !st.driving {
+            return Err(messages);
+        }
+        st.new.extend(messages);
+        if let Some(i) = &st.interrupter {
+            i.interrupt();
+        }
+        Ok(())
+    }
+
+    /// The messages posted since the last call; `None` (and the loop is over) when there are
+    /// none and the loop has nothing left (`idle`).
+    fn take(&self, idle: bool) -> Option<Vec<Message>> {
+        let mut st = self.lock();
+        if st.new.is_empty() && idle {
+            st.driving = false;
+            st.interrupter = None;
+            return None;
+        }
+        Some(std::mem::take(&mut st.new))
+    }
+
+    fn set_interrupter(&self, i: Interrupter) {
+        self.lock().interrupter = Some(i);
+    }
+}
+
+/// One posted send or receive.
+pub(crate) struct Message {
+    op: &'static str,
+    peer: usize,
+    tag: u32,
+    bytes: Bytes,
+    deadline: Instant,
+    /// Completes the operation's [`Work`], giving its buffer back. Called once no operation
+    /// of the loop borrows `bytes` any more.
+    finish: Box<dyn FnOnce(Result<()>) + Send>,
+}
+
+/// The bytes of a posted message: views of a [`Held`] buffer that its `finish` owns.
+enum Bytes {
+    Send(&'static [u8]),
+    Recv(&'static mut [u8]),
+}
+
+/// What a frame of the loop is for (parallel to its `sends` / `recvs`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// An answer to a peer's RTS (Ready or Nack): nobody's completion.
+    Answer,
+    /// The RTS of the send with this key.
+    Rts(u64),
+    /// The data of the send with this key (eager or after Ready).
+    Data(u64),
+    /// The receiver's answer to the send with this key.
+    Reply(u64),
+    /// The first frame (eager data or RTS) for the receive with this key.
+    First(u64),
+    /// The rendezvous data for the receive with this key.
+    RecvData(u64),
+}
+
+impl Role {
+    fn key(self) -> Option<u64> {
+        match self {
+            Role::Answer => None,
+            Role::Rts(k) | Role::Data(k) | Role::Reply(k) | Role::First(k) | Role::RecvData(k) => {
+                Some(k)
+            }
+        }
+    }
+}
+
+/// A message the loop is carrying.
+struct Active {
+    key: u64,
+    ctx: OpContext,
+    peer: usize,
+    tag: u32,
+    deadline: Instant,
+    /// A large send's data, sent once the receiver is ready.
+    pending_data: Option<&'static [u8]>,
+    /// The message id of a send.
+    id: u64,
+    finish: Box<dyn FnOnce(Result<()>) + Send>,
+}
+
+/// The progress loop's operations in flight.
+#[derive(Default)]
+struct Flight {
+    active: Vec<Active>,
+    sends: Vec<SendOp<'static>>,
+    send_roles: Vec<Role>,
+    recvs: Vec<RecvOp<'static>>,
+    recv_roles: Vec<Role>,
+    next_key: u64,
+}
+
+fn size_err(ctx: &OpContext, peer: usize, tag: u32, msg: String) -> Error {
+    Error::SizeMismatch {
+        ctx: ctx.clone(),
+        peer,
+        tag,
+        msg,
+    }
+}
+
+/// A Nack `peer` sent about an earlier eager message, as the error of the next operation with
+/// that peer (see [`crate::comm::p2p`]).
+fn earlier_nack(links: &mut TcpLinks, ctx: &OpContext, peer: usize) -> Option<Error> {
+    let n = links.take_nack(peer)?;
+    Some(size_err(
+        ctx,
+        peer,
+        n.tag,
+        format!(
+            "an earlier message with tag {} to rank {peer} did not match its {}-byte receive",
+            n.tag, n.count
+        ),
+    ))
+}
+
+impl Flight {
+    fn idle(&self) -> bool {
+        self.active.is_empty() && self.sends.is_empty()
+    }
+
+    /// The earliest deadline of the messages (answers to a peer's RTS alone: `timeout`).
+    fn deadline(&self, timeout: Duration) -> Instant {
+        let answers = Instant::now() + timeout;
+        self.active
+            .iter()
+            .map(|a| a.deadline)
+            .min()
+            .unwrap_or(answers)
+    }
+
+    /// Start carrying `m`.
+    fn start(&mut self, links: &mut TcpLinks, ids: &mut [u64], seq: u64, m: Message) {
+        let ctx = OpContext { op: m.op, seq };
+        if let Some(e) = earlier_nack(links, &ctx, m.peer) {
+            (m.finish)(Err(e));
+            return;
+        }
+        self.next_key += 1;
+        let key = self.next_key;
+        let mut a = Active {
+            key,
+            ctx,
+            peer: m.peer,
+            tag: m.tag,
+            deadline: m.deadline,
+            pending_data: None,
+            id: 0,
+            finish: m.finish,
+        };
+        match m.bytes {
+            Bytes::Send(data) => {
+                ids[m.peer] += 1;
+                a.id = ids[m.peer];
+                let hdr = Header {
+                    count: data.len() as u64,
+                    seq: a.id,
+                    ..Header::new(Kind::P2p, m.tag, 0)
+                };
+                if data.len() <= EAGER_MAX {
+                    let hdr = Header {
+                        len: data.len() as u64,
+                        ..hdr
+                    };
+                    self.push_send(SendOp::new(m.peer, hdr, data), Role::Data(key));
+                } else {
+                    let rts = Header {
+                        kind: Kind::Rts,
+                        ..hdr
+                    };
+                    self.push_send(SendOp::new(m.peer, rts, &[]), Role::Rts(key));
+                    self.push_recv(RecvOp::reply(m.peer, m.tag, a.id), Role::Reply(key));
+                    a.pending_data = Some(data);
+                }
+            }
+            Bytes::Recv(buf) => {
+                self.push_recv(RecvOp::p2p_first(m.peer, m.tag, buf), Role::First(key));
+            }
+        }
+        self.active.push(a);
+    }
+
+    fn push_send(&mut self, s: SendOp<'static>, role: Role) {
+        self.sends.push(s);
+        self.send_roles.push(role);
+    }
+
+    fn push_recv(&mut self, r: RecvOp<'static>, role: Role) {
+        self.recvs.push(r);
+        self.recv_roles.push(role);
+    }
+
+    fn active(&mut self, key: u64) -> &mut Active {
+        self.active
+            .iter_mut()
+            .find(|a| a.key == key)
+            .expect("every frame's message is active")
+    }
+
+    /// Complete the message `key` with `r`: its frames are dropped first (they borrow its
+    /// bytes), then its `Work` is completed.
+    fn complete(&mut self, links: &mut TcpLinks, key: u64, r: Result<()>) {
+        self.drop_frames(key);
+        let Some(pos) = self.active.iter().position(|a| a.key == key) else {
+            return;
+        };
+        let a = self.active.remove(pos);
+        let r = r.and_then(|()| earlier_nack(links, &a.ctx, a.peer).map_or(Ok(()), Err));
+        (a.finish)(r);
+    }
+
+    fn drop_frames(&mut self, key: u64) {
+        for i in (0..self.sends.len()).rev() {
+            if self.send_roles[i].key() == Some(key) {
+                self.sends.remove(i);
+                self.send_roles.remove(i);
+            }
+        }
+        for i in (0..self.recvs.len()).rev() {
+            if self.recv_roles[i].key() == Some(key) {
+                self.recvs.remove(i);
+                self.recv_roles.remove(i);
+            }
+        }
+    }
+
+    /// Fail every message with `e` (the links failed: nothing more can be carried).
+    fn fail_all(&mut self, e: &Error) {
+        self.sends.clear();
+        self.send_roles.clear();
+        self.recvs.clear();
+        self.recv_roles.clear();
+        for a in self.active.drain(..) {
+            (a.finish)(Err(e.clone()));
+        }
+    }
+
+    /// Act on the frames an exchange completed: answer RTSs, send data after Ready, complete
+    /// messages.
+    fn advance(&mut self, links: &mut TcpLinks) {
+        let mut i = 0;
+        while i < self.recvs.len() {
+            if !self.recvs[i].is_done() {
+                i += 1;
+                continue;
+            }
+            let r = self.recvs.remove(i);
+            let role = self.recv_roles.remove(i);
+            let h = r.header().expect("done");
+            let peer = r.peer();
+            match (role, h.kind) {
+                (Role::Reply(key), Kind::Ready) => {
+                    let a = self.active(key);
+                    let data = a.pending_data.take().expect("a large send waits for Ready");
+                    let hdr = Header {
+                        count: data.len() as u64,
+                        len: data.len() as u64,
+                        seq: a.id,
+                        ..Header::new(Kind::P2p, a.tag, 0)
+                    };
+                    self.push_send(SendOp::new(peer, hdr, data), Role::Data(key));
+                }
+                (Role::Reply(key), _) => {
+                    // Nack: the receiver posted another size.
+                    let a = self.active(key);
+                    let len = a.pending_data.map_or(0, <[u8]>::len);
+                    let e = size_err(
+                        &a.ctx,
+                        peer,
+                        a.tag,
+                        format!(
+                            "this rank sends {len} bytes, rank {peer} posted a {}-byte receive",
+                            h.count
+                        ),
+                    );
+                    self.complete(links, key, Err(e));
+                }
+                (Role::First(key), _) => {
+                    let buf = r.into_buf();
+                    let mine = buf.len();
+                    let answer = |kind| Header {
+                        count: mine as u64,
+                        seq: h.seq,
+                        ..Header::new(kind, h.tag, 0)
+                    };
+                    if h.count as usize != mine {
+                        self.push_send(SendOp::new(peer, answer(Kind::Nack), &[]), Role::Answer);
+                        let ctx = self.active(key).ctx.clone();
+                        let e = size_err(
+                            &ctx,
+                            peer,
+                            h.tag,
+                            format!(
+                                "rank {peer} sent {} bytes, this rank posted a {mine}-byte receive",
+                                h.count
+                            ),
+                        );
+                        self.complete(links, key, Err(e));
+                    } else if h.kind == Kind::Rts {
+                        self.push_send(SendOp::new(peer, answer(Kind::Ready), &[]), Role::Answer);
+                        self.push_recv(
+                            RecvOp::p2p_data(peer, h.tag, h.seq, buf),
+                            Role::RecvData(key),
+                        );
+                    } else {
+                        self.complete(links, key, Ok(()));
+                    }
+                }
+                (Role::RecvData(key), _) => {
+                    drop(r);
+                    self.complete(links, key, Ok(()));
+                }
+                (Role::Answer | Role::Rts(_) | Role::Data(_), _) => {
+                    unreachable!("receives have receive roles")
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.sends.len() {
+            if !self.sends[i].is_done() {
+                i += 1;
+                continue;
+            }
+            self.sends.remove(i);
+            let role = self.send_roles.remove(i);
+            if let Role::Data(key) = role {
+                self.complete(links, key, Ok(()));
+            }
+        }
+    }
+}
+
+impl Communicator {
+    /// Send `buf` to `peer` with `tag` in the background: returns at once with a [`Work`]
+    /// that gives the buffer back when the message is handed over (eager messages, up to
+    /// 64 KiB: once written; larger ones: once the receiver posted its receive and the data
+    /// went out). Any posting order of sends and receives completes (see
+    /// [`crate::comm::posted`]); messages with one (peer, tag) match in posting order.
+    pub fn send_async<T, S>(self: &Arc<Self>, peer: usize, tag: u32, buf: S) -> Work<S>
+    where
+        T: Element,
+        S: AsRef<[T]> + Send + 'static,
+    {
+        // The view lives in the message, whose `finish` owns `held` (see `lent::Held`).
+        let (view, held) = hold_for_send(buf);
+        self.post("send", peer, tag, Bytes::Send(view), held)
+    }
+
+    /// Receive into `buf` the message `peer` sends with `tag`, in the background: returns at
+    /// once with a [`Work`] that gives the filled buffer back (see
+    /// [`send_async`](Self::send_async)).
+    pub fn recv_async<T, B>(self: &Arc<Self>, peer: usize, tag: u32, buf: B) -> Work<B>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let (view, held) = hold_for_recv(buf);
+        self.post("recv", peer, tag, Bytes::Recv(view), held)
+    }
+
+    fn post<B: Send + 'static>(
+        self: &Arc<Self>,
+        op: &'static str,
+        peer: usize,
+        tag: u32,
+        bytes: Bytes,
+        held: Held<B>,
+    ) -> Work<B> {
+        let slot = Slot::new();
+        let done = slot.clone();
+        let finish: Box<dyn FnOnce(Result<()>) + Send> =
+            Box::new(move |r| done.complete(r.map(|()| held.into_inner())));
+        if let Err(e) = self.check_peer(op, peer) {
+            finish(Err(e));
+            return Work::new(slot, op);
+        }
+        let m = Message {
+            op,
+            peer,
+            tag,
+            bytes,
+            deadline: Instant::now() + self.timeout(),
+            finish,
+        };
+        if self.posted.push(m) {
+            self.start_progress_loop();
+        }
+        Work::new(slot, op)
+    }
+
+    /// Queue the progress loop (its turn comes after every operation issued before).
+    fn start_progress_loop(self: &Arc<Self>) {
+        let comm = self.clone();
+        let job = Box::new(move || comm.drive_posted());
+        if let Err(e) = self.engine().submit(self.id(), job) {
+            // No engine thread: nothing posted can be carried.
+            while let Some(new) = self.posted.take(true) {
+                for m in new {
+                    (m.finish)(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Post a blocking call's message to the progress loop if one is queued or running (then
+    /// the call must not wait for its turn: the loop holds it and may wait for this message),
+    /// and wait for it. `None` when no loop runs: the caller goes the direct way.
+    pub(super) fn join_progress_loop(
+        &self,
+        send: Option<(usize, u32, &[u8])>,
+        recv: &mut Option<(usize, u32, &mut [u8])>,
+    ) -> Option<Result<()>> {
+        if !self.posted.driving() {
+            return None;
+        }
+        let op = match (&send, &*recv) {
+            (Some(_), Some(_)) => "send_recv",
+            (Some(_), None) => "send",
+            _ => "recv",
+        };
+        let deadline = Instant::now() + self.timeout();
+        // A blocking send's bytes are copied (they are borrowed); a blocking receive lends its
+        // buffer for as long as this call waits.
+        crate::lent::scope(|lender| {
+            let mut messages = Vec::new();
+            let mut works = Vec::new();
+            let message = |peer, tag, bytes, finish| Message {
+                op,
+                peer,
+                tag,
+                bytes,
+                deadline,
+                finish,
+            };
+            if let Some((peer, tag, data)) = send {
+                let (view, held) = hold_for_send(data.to_vec());
+                let bytes = Bytes::Send(view);
+                let slot = Slot::new();
+                let done = slot.clone();
+                let finish: Box<dyn FnOnce(Result<()>) + Send> =
+                    Box::new(move |r| done.complete(r.map(|()| drop(held.into_inner()))));
+                messages.push(message(peer, tag, bytes, finish));
+                works.push(Work::new(slot, op));
+            }
+            if let Some((peer, tag, buf)) = recv.as_mut() {
+                let (peer, tag) = (*peer, *tag);
+                // The lent buffer is returned (dropped) when the message is finished, which
+                // this scope waits for.
+                let (view, held) = hold_for_recv(lender.lend(buf));
+                let bytes = Bytes::Recv(view);
+                let slot = Slot::new();
+                let done = slot.clone();
+                let finish: Box<dyn FnOnce(Result<()>) + Send> =
+                    Box::new(move |r| done.complete(r.map(|()| drop(held.into_inner()))));
+                messages.push(message(peer, tag, bytes, finish));
+                works.push(Work::new(slot, op));
+            }
+            if let Err(refused) = self.posted.push_if_driving(messages) {
+                // The loop ended meanwhile: the caller goes the direct way.
+                for m in refused {
+                    (m.finish)(Ok(()));
+                }
+                return None;
+            }
+            let mut out = Ok(());
+            for w in works {
+                let r = w.wait();
+                if out.is_ok() {
+                    out = r;
+                }
+            }
+            Some(out)
+        })
+    }
+
+    /// The progress loop (an engine job, in its turn): carry every posted message until none
+    /// is left.
+    fn drive_posted(&self) {
+        let (mut inner, ctx) = match self.lock("send/recv") {
+            Ok(x) => x,
+            Err(e) => {
+                while let Some(new) = self.posted.take(true) {
+                    for m in new {
+                        (m.finish)(Err(e.clone()));
+                    }
+                }
+                return;
+            }
+        };
+        self.posted.set_interrupter(inner.links.interrupter());
+        let mut flight = Flight::default();
+        let mut failed: Option<Error> = None;
+        while let Some(new) = self.posted.take(flight.idle()) {
+            for m in new {
+                if let Some(e) = &failed {
+                    (m.finish)(Err(e.clone()));
+                    continue;
+                }
+                let state: &mut Inner = &mut inner;
+                let Inner {
+                    links,
+                    p2p_ids,
+                    seq,
+                    ..
+                } = state;
+                flight.start(links, p2p_ids, *seq, m);
+            }
+            if flight.idle() {
+                continue;
+            }
+            let deadline = flight.deadline(self.timeout());
+            inner.links.set_op_timeout(self.timeout());
+            let r = inner.links.exchange_until(
+                &ctx,
+                &mut flight.sends,
+                &mut flight.recvs,
+                deadline,
+                true,
+            );
+            match r {
+                Ok(()) => flight.advance(&mut inner.links),
+                Err(e) => {
+                    let e = Self::finish(&mut inner, false, Err::<(), _>(e))
+                        .expect_err("an error stays one");
+                    flight.fail_all(&e);
+                    failed = Some(e);
+                }
+            }
+        }
+        if failed.is_none() {
+            let _ = Self::finish(&mut inner, false, Ok(()));
+        }
+    }
+}
