@@ -504,6 +504,20 @@ class _Engines:
         return all(w.is_completed() for w in self._works)
 
 
+class _AllOf:
+    """Several hcomm Works waited for as one (a send or receive of several tensors)."""
+
+    def __init__(self, works: List[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        for w in self._works:
+            w.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
 #: Backends alive (until their shutdown). torch keeps only the C++ side of a Python backend
 #: it wraps (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every one in a ProcessGroupWrapper): without
 #: this reference the Python object goes, and every call on the C++ side falls through to
@@ -921,17 +935,35 @@ class HcommBackend(_C10dBackend):
 
     # -- point-to-point --------------------------------------------------------------------
 
-    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> dist._Work:
+        """Post the send (hcomm's ``send_async``): it progresses in the background with every
+        other posted send and receive of the group, so ``isend`` / ``irecv`` /
+        ``batch_isend_irecv`` complete in any posting order. The tensor must not change until
+        the Work is done (as with gloo)."""
         _check_cpu("send", tensors)
-        for t in tensors:
-            self._c.send(dst, tag, _flat(t))
-        return _Work(tensors)
+        bufs = [_flat(t) for t in tensors]
+        engines = [self._c.send(dst, tag, b, True) for b in bufs]
+        return _AsyncWork(self._waiter, _AllOf(engines), tensors, tuple(bufs), None)
 
-    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> _Work:
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> dist._Work:
+        """Post the receive (see :meth:`send`); a non-contiguous tensor is filled from a
+        contiguous copy when the message is in."""
         _check_cpu("recv", tensors)
+        engines, keep, copies = [], [], []
         for t in tensors:
-            _in_place(t, lambda b: self._c.recv(src, tag, b))
-        return _Work(tensors)
+            w = _wire(t)
+            buf = w if w.is_contiguous() else w.contiguous()
+            if buf is not w:
+                copies.append((w, buf))
+            engines.append(self._c.recv(src, tag, buf, True))
+            keep.append(buf)
+
+        def post() -> None:
+            with torch.no_grad():
+                for w, buf in copies:
+                    w.copy_(buf)
+
+        return _AsyncWork(self._waiter, _AllOf(engines), tensors, tuple(keep), post if copies else None)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> _Work:
         raise InvalidArgumentError("hcomm backend: receiving from any source is not supported; name the source rank")
