@@ -276,3 +276,63 @@ fn a_posted_receive_from_a_silent_peer_times_out_naming_it() {
         },
     ));
 }
+
+#[test]
+fn receives_from_any_source_bind_to_whoever_sends_first() {
+    for transport in TRANSPORTS {
+        for n in 2..=4 {
+            expect_all(run_threads_with(n, transport, T, |c| {
+                let c = Arc::new(c);
+                let (r, n) = (c.rank(), c.world_size());
+                for len in SIZES {
+                    if r == 0 {
+                        // Posted before any message is there, then blocking ones.
+                        let works: Vec<_> = (1..n)
+                            .map(|_| c.recv_any_async(7, vec![0u8; len]))
+                            .collect();
+                        let mut seen: Vec<usize> = Vec::new();
+                        for w in works {
+                            let (src, got) = w.wait()?;
+                            assert!(got == payload(src, 0, 7, 0, len), "{len} B from {src}");
+                            seen.push(src);
+                        }
+                        c.barrier()?;
+                        for _ in 1..n {
+                            let mut got = vec![0u8; len];
+                            let src = c.recv_any(8, &mut got)?;
+                            assert!(got == payload(src, 0, 8, 0, len), "blocking, from {src}");
+                            seen.push(src);
+                        }
+                        seen.sort_unstable();
+                        let want: Vec<usize> = (1..n).flat_map(|p| [p, p]).collect();
+                        assert_eq!(seen, want, "every sender once per round");
+                    } else {
+                        c.send_async(0, 7, payload(r, 0, 7, 0, len)).wait()?;
+                        c.barrier()?;
+                        c.send(0, 8, &payload(r, 0, 8, 0, len))?;
+                    }
+                    c.barrier()?;
+                }
+                Ok(())
+            }));
+        }
+    }
+}
+
+#[test]
+fn a_receive_posted_for_a_rank_is_served_before_a_later_one_from_any_source() {
+    expect_all(run_threads_with(2, TransportKind::Tcp, T, |c| {
+        let c = Arc::new(c);
+        if c.rank() == 0 {
+            let named = c.recv_async(1, 4, vec![0u8; 16]);
+            let any = c.recv_any_async(4, vec![0u8; 16]);
+            assert_eq!(named.wait()?, payload(1, 0, 4, 0, 16), "the first message");
+            let (src, got) = any.wait()?;
+            assert_eq!((src, got), (1, payload(1, 0, 4, 1, 16)), "the second");
+        } else {
+            c.send(0, 4, &payload(1, 0, 4, 0, 16))?;
+            c.send(0, 4, &payload(1, 0, 4, 1, 16))?;
+        }
+        c.barrier()
+    }));
+}

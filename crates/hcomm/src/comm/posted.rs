@@ -104,10 +104,16 @@ pub(crate) struct Message {
     tag: u32,
     bytes: Bytes,
     deadline: Instant,
-    /// Completes the operation's [`Work`], giving its buffer back. Called once no operation
-    /// of the loop borrows `bytes` any more.
-    finish: Box<dyn FnOnce(Result<()>) + Send>,
+    /// Completes the operation's [`Work`] with the peer it exchanged with, giving its buffer
+    /// back. Called once no operation of the loop borrows `bytes` any more.
+    finish: Finish,
 }
+
+/// See [`Message::finish`].
+type Finish = Box<dyn FnOnce(Result<usize>) + Send>;
+
+/// The `peer` of a receive from any source (bound to a peer when a message for it arrives).
+const ANY_SOURCE: usize = usize::MAX;
 
 /// The bytes of a posted message: views of a [`Held`] buffer that its `finish` owns.
 enum Bytes {
@@ -154,7 +160,7 @@ struct Active {
     pending_data: Option<&'static [u8]>,
     /// The message id of a send.
     id: u64,
-    finish: Box<dyn FnOnce(Result<()>) + Send>,
+    finish: Finish,
 }
 
 /// The progress loop's operations in flight.
@@ -165,6 +171,10 @@ struct Flight {
     send_roles: Vec<Role>,
     recvs: Vec<RecvOp<'static>>,
     recv_roles: Vec<Role>,
+    /// Receives from any source not bound to a peer yet, in posting order.
+    wild: Vec<(u64, &'static mut [u8])>,
+    /// Where the next binding starts looking (so no peer is always first).
+    bind_from: usize,
     next_key: u64,
 }
 
@@ -210,7 +220,10 @@ impl Flight {
     /// Start carrying `m`.
     fn start(&mut self, links: &mut TcpLinks, ids: &mut [u64], seq: u64, m: Message) {
         let ctx = OpContext { op: m.op, seq };
-        if let Some(e) = earlier_nack(links, &ctx, m.peer) {
+        if let Some(e) = (m.peer != ANY_SOURCE)
+            .then(|| earlier_nack(links, &ctx, m.peer))
+            .flatten()
+        {
             (m.finish)(Err(e));
             return;
         }
@@ -251,11 +264,44 @@ impl Flight {
                     a.pending_data = Some(data);
                 }
             }
+            Bytes::Recv(buf) if m.peer == ANY_SOURCE => self.wild.push((key, buf)),
             Bytes::Recv(buf) => {
                 self.push_recv(RecvOp::p2p_first(m.peer, m.tag, buf), Role::First(key));
             }
         }
         self.active.push(a);
+    }
+
+    /// Bind each receive from any source, in posting order, to a peer whose message with its
+    /// tag has arrived (and that no receive posted for that peer and tag waits for already).
+    /// True while some are still unbound.
+    fn bind_wildcards(&mut self, links: &TcpLinks) -> bool {
+        let mut i = 0;
+        while i < self.wild.len() {
+            let key = self.wild[i].0;
+            let tag = self.active(key).tag;
+            let taken = |p: usize| {
+                self.recvs.iter().zip(&self.recv_roles).any(|(r, role)| {
+                    matches!(role, Role::First(_))
+                        && r.peer() == p
+                        && !r.is_done()
+                        && self
+                            .active
+                            .iter()
+                            .any(|a| Some(a.key) == role.key() && a.tag == tag)
+                })
+            };
+            match links.first_message_from(tag, self.bind_from, taken) {
+                Some(p) => {
+                    self.bind_from = p + 1;
+                    let (_, buf) = self.wild.remove(i);
+                    self.active(key).peer = p;
+                    self.push_recv(RecvOp::p2p_first(p, tag, buf), Role::First(key));
+                }
+                None => i += 1,
+            }
+        }
+        !self.wild.is_empty()
     }
 
     fn push_send(&mut self, s: SendOp<'static>, role: Role) {
@@ -283,7 +329,7 @@ impl Flight {
             return;
         };
         let a = self.active.remove(pos);
-        let r = r.and_then(|()| earlier_nack(links, &a.ctx, a.peer).map_or(Ok(()), Err));
+        let r = r.and_then(|()| earlier_nack(links, &a.ctx, a.peer).map_or(Ok(a.peer), Err));
         (a.finish)(r);
     }
 
@@ -308,6 +354,7 @@ impl Flight {
         self.send_roles.clear();
         self.recvs.clear();
         self.recv_roles.clear();
+        self.wild.clear();
         for a in self.active.drain(..) {
             (a.finish)(Err(e.clone()));
         }
@@ -421,7 +468,9 @@ impl Communicator {
     {
         // The view lives in the message, whose `finish` owns `held` (see `lent::Held`).
         let (view, held) = hold_for_send(buf);
-        self.post("send", peer, tag, Bytes::Send(view), held)
+        let (work, m) = self.message("send", peer, tag, Bytes::Send(view), held, |_, b| b);
+        self.post(m);
+        work
     }
 
     /// Receive into `buf` the message `peer` sends with `tag`, in the background: returns at
@@ -433,24 +482,78 @@ impl Communicator {
         B: AsMut<[T]> + Send + 'static,
     {
         let (view, held) = hold_for_recv(buf);
-        self.post("recv", peer, tag, Bytes::Recv(view), held)
+        let (work, m) = self.message("recv", peer, tag, Bytes::Recv(view), held, |_, b| b);
+        self.post(m);
+        work
     }
 
-    fn post<B: Send + 'static>(
-        self: &Arc<Self>,
+    /// Receive into `buf` the first message with `tag` that arrives from any rank (MPI's
+    /// `MPI_ANY_SOURCE`), in the background: the [`Work`] gives the sender's rank and the
+    /// filled buffer. Receives posted for that rank and tag before it are served first.
+    pub fn recv_any_async<T, B>(self: &Arc<Self>, tag: u32, buf: B) -> Work<(usize, B)>
+    where
+        T: Element,
+        B: AsMut<[T]> + Send + 'static,
+    {
+        let (view, held) = hold_for_recv(buf);
+        let (work, m) = self.message(
+            "recv_any",
+            ANY_SOURCE,
+            tag,
+            Bytes::Recv(view),
+            held,
+            |p, b| (p, b),
+        );
+        self.post(m);
+        work
+    }
+
+    /// Receive into `buf` the first message with `tag` from any rank; returns the sender's
+    /// rank (see [`recv_any_async`](Self::recv_any_async)). The call carries the posted
+    /// messages itself when no progress loop runs.
+    pub fn recv_any<T: Element>(&self, tag: u32, buf: &mut [T]) -> Result<usize> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        crate::lent::scope(|lender| {
+            let (view, held) = hold_for_recv(lender.lend(bytes));
+            let (work, m) = self.message(
+                "recv_any",
+                ANY_SOURCE,
+                tag,
+                Bytes::Recv(view),
+                held,
+                |p, _| p,
+            );
+            if let Some(m) = m {
+                if self.posted.push(m) {
+                    // No loop runs: this call is it (in its turn, on this thread).
+                    self.drive_posted();
+                }
+            }
+            work.wait()
+        })
+    }
+
+    /// A message for the progress loop and the [`Work`] it completes with
+    /// `out(peer, buffer)`. A bad peer completes it at once (the message is then not posted).
+    fn message<B: Send + 'static, R: Send + 'static>(
+        &self,
         op: &'static str,
         peer: usize,
         tag: u32,
         bytes: Bytes,
         held: Held<B>,
-    ) -> Work<B> {
+        out: impl FnOnce(usize, B) -> R + Send + 'static,
+    ) -> (Work<R>, Option<Message>) {
         let slot = Slot::new();
         let done = slot.clone();
-        let finish: Box<dyn FnOnce(Result<()>) + Send> =
-            Box::new(move |r| done.complete(r.map(|()| held.into_inner())));
-        if let Err(e) = self.check_peer(op, peer) {
-            finish(Err(e));
-            return Work::new(slot, op);
+        let finish: Finish = Box::new(move |r: Result<usize>| {
+            done.complete(r.map(|peer| out(peer, held.into_inner())))
+        });
+        if peer != ANY_SOURCE {
+            if let Err(e) = self.check_peer(op, peer) {
+                finish(Err(e));
+                return (Work::new(slot, op), None);
+            }
         }
         let m = Message {
             op,
@@ -460,10 +563,16 @@ impl Communicator {
             deadline: Instant::now() + self.timeout(),
             finish,
         };
-        if self.posted.push(m) {
-            self.start_progress_loop();
+        (Work::new(slot, op), Some(m))
+    }
+
+    /// Hand `m` to the progress loop, starting one if none is queued or running.
+    fn post(self: &Arc<Self>, m: Option<Message>) {
+        if let Some(m) = m {
+            if self.posted.push(m) {
+                self.start_progress_loop();
+            }
         }
-        Work::new(slot, op)
     }
 
     /// Queue the progress loop (its turn comes after every operation issued before).
@@ -515,8 +624,9 @@ impl Communicator {
                 let bytes = Bytes::Send(view);
                 let slot = Slot::new();
                 let done = slot.clone();
-                let finish: Box<dyn FnOnce(Result<()>) + Send> =
-                    Box::new(move |r| done.complete(r.map(|()| drop(held.into_inner()))));
+                let finish: Finish = Box::new(move |r: Result<usize>| {
+                    done.complete(r.map(|_| drop(held.into_inner())))
+                });
                 messages.push(message(peer, tag, bytes, finish));
                 works.push(Work::new(slot, op));
             }
@@ -528,15 +638,16 @@ impl Communicator {
                 let bytes = Bytes::Recv(view);
                 let slot = Slot::new();
                 let done = slot.clone();
-                let finish: Box<dyn FnOnce(Result<()>) + Send> =
-                    Box::new(move |r| done.complete(r.map(|()| drop(held.into_inner()))));
+                let finish: Finish = Box::new(move |r: Result<usize>| {
+                    done.complete(r.map(|_| drop(held.into_inner())))
+                });
                 messages.push(message(peer, tag, bytes, finish));
                 works.push(Work::new(slot, op));
             }
             if let Err(refused) = self.posted.push_if_driving(messages) {
                 // The loop ended meanwhile: the caller goes the direct way.
                 for m in refused {
-                    (m.finish)(Ok(()));
+                    (m.finish)(Ok(m.peer));
                 }
                 return None;
             }
@@ -586,6 +697,8 @@ impl Communicator {
             if flight.idle() {
                 continue;
             }
+            let waiting_for_any = flight.bind_wildcards(&inner.links);
+            inner.links.set_wake_on_stash(waiting_for_any);
             let deadline = flight.deadline(self.timeout());
             inner.links.set_op_timeout(self.timeout());
             let r = inner.links.exchange_until(
@@ -595,6 +708,7 @@ impl Communicator {
                 deadline,
                 true,
             );
+            inner.links.set_wake_on_stash(false);
             match r {
                 Ok(()) => flight.advance(&mut inner.links),
                 Err(e) => {

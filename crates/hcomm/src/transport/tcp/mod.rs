@@ -136,6 +136,9 @@ pub struct TcpLinks {
     listener_ready: bool,
     /// Set by an [`Interrupter`]: an exchange that may return early (`any`) returns.
     interrupted: Arc<AtomicBool>,
+    /// An exchange with `any` also returns when a frame is stashed (and waits even with
+    /// nothing to move): a receive from any source is waiting for a message to bind to.
+    wake_on_stash: bool,
     /// Bytes written to the links (frame headers and payload), ever: `[tcp, shm]`.
     sent: [u64; 2],
     /// Bytes of frames (headers and payload) taken from the links, ever: `[tcp, shm]`.
@@ -278,6 +281,7 @@ impl TcpLinks {
             op_timeout: Duration::ZERO,
             listener_ready: false,
             interrupted: Arc::new(AtomicBool::new(false)),
+            wake_on_stash: false,
             sent: [0; 2],
             received: [0; 2],
         })
@@ -416,6 +420,48 @@ impl TcpLinks {
         self.staging_pool
             .pop()
             .unwrap_or_else(|| vec![0u64; STAGING / 8])
+    }
+
+    /// Make exchanges with `any` return when a frame is stashed, and wait for one even with
+    /// nothing to send or receive (see [`first_message_from`](Self::first_message_from)).
+    pub fn set_wake_on_stash(&mut self, on: bool) {
+        self.wake_on_stash = on;
+    }
+
+    /// Frames stashed on every link now.
+    pub(super) fn stashed_frames(&self) -> usize {
+        self.inb
+            .iter()
+            .flatten()
+            .filter_map(|socks| socks.first())
+            .map(|inb| inb.stash.len())
+            .sum()
+    }
+
+    /// A peer from which the first frame of a point-to-point message with `tag` (eager data
+    /// or an RTS) is stashed, looking at the peers from `start` on (wrapping) and skipping
+    /// those `skip` names: what a receive from any source binds to.
+    pub fn first_message_from(
+        &self,
+        tag: u32,
+        start: usize,
+        skip: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        (0..self.n)
+            .map(|i| (start + i) % self.n)
+            .filter(|&p| p != self.rank && !skip(p))
+            .find(|&p| {
+                let link = self.route(p, true);
+                self.inb[link]
+                    .as_ref()
+                    .and_then(|socks| socks.first())
+                    .is_some_and(|inb| {
+                        inb.stash.iter().any(|s| match s {
+                            Stashed::Control(h) => h.kind == Kind::Rts && h.tag == tag,
+                            Stashed::Eager(h, _) => h.tag == tag,
+                        })
+                    })
+            })
     }
 
     /// Take a `Nack` that `peer` sent about an earlier eager message, if any.

@@ -92,6 +92,16 @@ impl TcpLinks {
     ) -> Result<()> {
         let mut spinner = Spinner::adaptive(self.policy, &self.waits);
         let mut woke = false;
+        // With `any`: a send finishing returns too (its operation can complete), and so does
+        // a frame stashed while a receive from any source waits (`wake_on_stash`).
+        let sends_done = |sends: &[SendOp]| sends.iter().filter(|s| s.is_done()).count();
+        let sent_before = sends_done(sends);
+        let watch_stash = any && self.wake_on_stash;
+        let stashed_before = if watch_stash {
+            self.stashed_frames()
+        } else {
+            0
+        };
         loop {
             let mut progress = false;
             let mut missing = false;
@@ -141,11 +151,14 @@ impl TcpLinks {
                 // (also the spell that ends the operation: for a small message the only one)
                 spinner.progressed(&mut self.waits, self.policy);
             }
-            if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) {
+            let idle_wait = watch_stash && sends.is_empty() && recvs.is_empty();
+            if sends.iter().all(|s| s.is_done()) && recvs.iter().all(|r| r.done()) && !idle_wait {
                 return Ok(());
             }
             if any
                 && (recvs.iter().any(|r| r.done())
+                    || sends_done(sends) > sent_before
+                    || (watch_stash && self.stashed_frames() > stashed_before)
                     || self.interrupted.swap(false, Ordering::AcqRel))
             {
                 return Ok(());
