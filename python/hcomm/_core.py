@@ -1083,6 +1083,19 @@ class Communicator:
         _check_tensor("recv", "tensor", tensor)
         return Work(self._c.recv(src_rank, tag, tensor, True), tensor, (tensor,))
 
+    def recv_any(self, tensor: Any, tag: int = 0) -> int:
+        """Receive into `tensor` the first message with `tag` that arrives from any rank
+        (MPI's ``MPI_ANY_SOURCE``); returns the sender's rank. Receives posted for that rank
+        and tag before it are served first."""
+        _check_tensor("recv_any", "tensor", tensor)
+        return self._c.recv_any(tag, tensor)
+
+    def recv_any_async(self, tensor: Any, tag: int = 0) -> Work:
+        """:meth:`recv_any` in the background; ``wait()`` returns ``(sender rank, tensor)``."""
+        _check_tensor("recv_any", "tensor", tensor)
+        engine = self._c.recv_any(tag, tensor, True)
+        return Work(engine, None, (tensor,), lambda: (engine.source_rank(), tensor))
+
     def send_recv(self, send: Any, dst_rank: int, recv: Any, src_rank: int, tag: int = 0) -> Any:
         """Send `send` to `dst_rank` and receive into `recv` from `src_rank` at the same time
         (no deadlock when two ranks exchange). Returns `recv`."""

@@ -203,7 +203,7 @@ def _install_work_queries() -> None:
     cls = dist._Work
     if getattr(cls.is_completed, "_hcomm", False):
         return
-    originals = {name: getattr(cls, name) for name in ("is_completed", "is_success", "exception")}
+    originals = {name: getattr(cls, name) for name in ("is_completed", "is_success", "exception", "_source_rank")}
 
     def forward(name: str) -> Callable[..., Any]:
         orig = originals[name]
@@ -326,6 +326,14 @@ class _AsyncWork(dist._Work):
             self._engine = None
             self._keep = ()
             self._post = None
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (after ``wait()``)."""
+        src = getattr(self, "_source", None)
+        rank = src.source_rank() if src is not None else None
+        if rank is None:
+            raise RuntimeError("hcomm backend: _source_rank() is known once a receive from any source completed")
+        return rank
 
     def _finish_with_error(self) -> None:
         import sys
@@ -965,8 +973,24 @@ class HcommBackend(_C10dBackend):
 
         return _AsyncWork(self._waiter, _AllOf(engines), tensors, tuple(keep), post if copies else None)
 
-    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> _Work:
-        raise InvalidArgumentError("hcomm backend: receiving from any source is not supported; name the source rank")
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> dist._Work:
+        """``recv`` / ``irecv`` without a source: a posted receive from any rank (hcomm's
+        ``recv_any``); the Work's ``_source_rank()`` names the sender once waited for."""
+        _check_cpu("recv", tensors)
+        if len(tensors) != 1:
+            raise InvalidArgumentError(f"hcomm backend: recv from any source takes one tensor, got {len(tensors)}")
+        w = _wire(tensors[0])
+        buf = w if w.is_contiguous() else w.contiguous()
+        engine = self._c.recv_any(tag, buf, True)
+
+        def post() -> None:
+            if buf is not w:
+                with torch.no_grad():
+                    w.copy_(buf)
+
+        work = _AsyncWork(self._waiter, engine, tensors, (buf,), post)
+        work._source = engine
+        return work
 
     def abort(self) -> None:
         self._c.abort()

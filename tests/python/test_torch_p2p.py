@@ -38,3 +38,11 @@ def test_pipelining_schedules_equal_gloo(n):
     out = run_job(n, [WORKER, "pipeline"], timeout=240)
     assert out.count("ok pipelining ScheduleGPipe") == n
     assert out.count("ok pipelining Schedule1F1B") == n
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [2, 3])
+def test_recv_from_any_source_as_on_gloo(n):
+    out = run_job(n, [WORKER, "any_source"], timeout=120)
+    assert out.count("ok recv from any source on hcomm") == n
+    assert out.count("ok recv from any source on gloo") == n

@@ -587,6 +587,29 @@ impl PyComm {
         })
     }
 
+    /// Receive into `buf` the first message with `tag` from any rank: the sender's rank, or
+    /// with `async_op` a Work whose `source_rank()` tells it once waited for.
+    #[pyo3(signature = (tag, buf, async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
+    fn recv_any(
+        &self,
+        py: Python<'_>,
+        tag: u32,
+        buf: &Bound<'_, PyAny>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let b = buffer("recv_any", "tensor", buf, true)?;
+        if async_op {
+            let kept = work::Kept::new(b, keep(&[Some(buf)]));
+            let w = work::started_any(self.comm.recv_any_async::<u8, _>(tag, kept));
+            return Ok(Py::new(py, w)?.into_any());
+        }
+        let c = self.comm.clone();
+        // SAFETY: the object outlives the call, and this is its only view.
+        let src = blocking(py, move || c.recv_any(tag, unsafe { b.bytes_mut() }))?;
+        Ok(src.into_pyobject(py)?.into_any().unbind())
+    }
+
     /// Send `send` to `dst` and receive `recv` from `src` at the same time.
     #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
     fn send_recv(

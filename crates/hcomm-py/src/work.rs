@@ -3,7 +3,7 @@
 use crate::errors::{blocking, to_pyerr};
 use hcomm::{Communicator as Comm, Error};
 use pyo3::prelude::*;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -57,6 +57,39 @@ pub struct PyWork {
     state: Mutex<State>,
     done: Finished,
     op: &'static str,
+    /// The sender of a receive from any source, once waited for (-1 before, and for others).
+    source: Arc<AtomicI64>,
+}
+
+/// A receive from any source: waiting records the sender.
+struct FromAny {
+    work: hcomm::Work<(usize, Kept)>,
+    source: Arc<AtomicI64>,
+}
+
+impl Pending for FromAny {
+    fn wait(self: Box<Self>) -> Result<(), Error> {
+        let (src, _) = self.work.wait()?;
+        self.source.store(src as i64, Ordering::Release);
+        Ok(())
+    }
+
+    fn wait_timeout(&mut self, d: Duration) -> Result<(), Error> {
+        let (src, _) = self.work.wait_timeout(d)?;
+        self.source.store(src as i64, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// A handle on a posted receive from any source (`source_rank()` tells the sender).
+pub fn started_any(work: hcomm::Work<(usize, Kept)>) -> PyWork {
+    let source = Arc::new(AtomicI64::new(-1));
+    PyWork {
+        op: work.op(),
+        done: Finished::Probe(work.completion()),
+        source: source.clone(),
+        state: Mutex::new(State::Pending(Box::new(FromAny { work, source }))),
+    }
 }
 
 /// Run `f` on `comm`'s progress engine, after every operation issued before it; `objects`
@@ -81,6 +114,7 @@ pub fn submit(
         state: Mutex::new(State::Pending(Box::new(work))),
         done: Finished::Flag(done),
         op,
+        source: Arc::new(AtomicI64::new(-1)),
     }
 }
 
@@ -91,6 +125,7 @@ pub fn started<R: Send + 'static>(work: hcomm::Work<R>) -> PyWork {
         op: work.op(),
         done: Finished::Probe(work.completion()),
         state: Mutex::new(State::Pending(Box::new(work))),
+        source: Arc::new(AtomicI64::new(-1)),
     }
 }
 
@@ -177,6 +212,12 @@ impl PyWork {
             Finished::Flag(f) => f.load(Ordering::Acquire),
             Finished::Probe(p) => p.is_completed(),
         }
+    }
+
+    /// The sender of a receive from any source once it was waited for; None before, and for
+    /// other operations.
+    fn source_rank(&self) -> Option<i64> {
+        Some(self.source.load(Ordering::Acquire)).filter(|&s| s >= 0)
     }
 
     /// The operation's name.

@@ -4,7 +4,7 @@ with gloo on the same inputs. Run under a launcher that sets torch's variables:
 
     python -m hcomm run -n N python torch_p2p.py CASE
 
-CASE is orders, batch or pipeline. Prints "ok <check>" lines and WORKER OK at the end. The
+CASE is orders, batch, pipeline or any_source. Prints "ok <check>" lines and WORKER OK at the end. The
 group timeout (20 s) bounds every wait: a deadlock fails as a timeout, never a hang.
 """
 
@@ -155,6 +155,30 @@ elif CASE == "pipeline":
         assert torch.equal(g_h, g_g), f"{cls.__name__}: gradients differ from gloo's"
         assert len(l_h) == len(l_g) and all(torch.equal(a, b) for a, b in zip(l_h, l_g)), f"{cls.__name__}: losses differ"
         ok(f"pipelining {cls.__name__} over {W} stages equals gloo's")
+
+elif CASE == "any_source":
+    # recv without src returns the sender (as on gloo); irecv without src too.
+    for group, tag in ((None, "hcomm"), (gloo, "gloo")):
+        for nbytes in (8, 1 << 20):
+            if R == 0:
+                seen = []
+                for _ in range(W - 1):
+                    b = torch.zeros_like(message(1, 0, 0, nbytes))
+                    src = dist.recv(b, group=group, tag=2)
+                    assert torch.equal(b, message(src, 0, 0, nbytes)), f"{tag}: message from {src}"
+                    seen.append(src)
+                assert sorted(seen) == list(range(1, W)), f"{tag}: senders {seen}"
+                works = [dist.irecv(torch.zeros_like(message(1, 0, 1, nbytes)), group=group, tag=3) for _ in range(W - 1)]
+                srcs = []
+                for w in works:
+                    w.wait()
+                    srcs.append(w._source_rank())
+                assert sorted(srcs) == list(range(1, W)), f"{tag}: irecv senders {srcs}"
+            else:
+                dist.send(message(R, 0, 0, nbytes), dst=0, group=group, tag=2)
+                dist.send(message(R, 0, 1, nbytes), dst=0, group=group, tag=3)
+            dist.barrier(group=group)
+        ok(f"recv from any source on {tag}")
 
 else:
     raise SystemExit(f"unknown case {CASE}")
