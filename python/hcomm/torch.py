@@ -54,7 +54,7 @@ from torch.distributed import ReduceOp
 
 from . import _hcomm
 from ._core import Communicator, CompressionState, Work
-from .errors import HcommTimeoutError, InvalidArgumentError
+from .errors import HcommError, HcommTimeoutError, InvalidArgumentError, PeerError
 
 __all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "MonitoredBarrierError"]
 
@@ -225,6 +225,31 @@ def _install_work_queries() -> None:
         setattr(cls, name, forward(name))
 
 
+_TORCH_FLAVOURS: "dict[type, type]" = {}
+
+
+def _torch_error(e: BaseException) -> BaseException:
+    """An hcomm failure as torch code expects a backend's: the same hcomm class (so
+    ``except hcomm.HcommTimeoutError`` still works), also a ``torch.distributed.DistBackendError``
+    (a ``RuntimeError``, what gloo raises), with the same message and fields; a timeout says
+    where the group's timeout comes from. Refused arguments stay ``InvalidArgumentError``
+    (a ``ValueError``, as torch raises for bad input); anything else is returned as it is."""
+    if not isinstance(e, HcommError) or isinstance(e, (InvalidArgumentError, dist.DistBackendError)):
+        return e
+    cls = type(e)
+    flavour = _TORCH_FLAVOURS.get(cls)
+    if flavour is None:
+        doc = f"{cls.__name__} raised through the torch backend: also a torch.distributed.DistBackendError."
+        flavour = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__, "__doc__": doc})
+        _TORCH_FLAVOURS[cls] = flavour
+    message = str(e)
+    if isinstance(e, HcommTimeoutError):
+        message += " (raise the group's timeout with init_process_group(timeout=...) or HCOMM_TIMEOUT)"
+    out = flavour(message)
+    out.__dict__.update(e.__dict__)
+    return out
+
+
 def _done_future(value: Any) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
@@ -312,11 +337,13 @@ class _AsyncWork(dist._Work):
                 return
             try:
                 self._engine.wait(timeout)
-            except BaseException:
+            except BaseException as e:
+                err = _torch_error(e)
                 if timeout is not None and not self._engine.is_completed():
-                    raise  # the wait's own deadline: the operation goes on
+                    raise err from e  # the wait's own deadline: the operation goes on
+                self._error = self._waiter.failure = err
                 self._finish_with_error()
-                raise
+                raise err from e
             try:
                 if self._post is not None:
                     self._post()
@@ -338,7 +365,8 @@ class _AsyncWork(dist._Work):
     def _finish_with_error(self) -> None:
         import sys
 
-        self._error = sys.exc_info()[1]
+        if self._error is None:
+            self._error = sys.exc_info()[1]
         self._engine = None
         self._keep = ()
         self._post = None
@@ -412,6 +440,8 @@ class _Waiter:
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        #: the last communication failure of the group's operations (its ``get_error``)
+        self.failure: Optional[BaseException] = None
         _WAITERS.add(self)
 
     def stop(self) -> None:
@@ -533,10 +563,16 @@ class _AllOf:
 _LIVE: "dict[int, HcommBackend]" = {}
 
 
-class MonitoredBarrierError(HcommTimeoutError):
+class MonitoredBarrierError(HcommTimeoutError, dist.DistBackendError):
     """``monitored_barrier`` failed: ``peers`` are the ranks that did not arrive in time (on
-    rank 0), or rank 0 (on the others)."""
+    rank 0), or rank 0 (on the others). A ``RuntimeError`` (torch's ``DistBackendError``), as
+    gloo's is, and an :class:`~hcomm.errors.HcommTimeoutError`."""
 
+
+def _monitored_error(message: str, peers: "tuple[int, ...]") -> MonitoredBarrierError:
+    err = MonitoredBarrierError(message)
+    err.peers, err.op = peers, "monitored_barrier"
+    return err
 
 
 def _advertised_address() -> str:
@@ -647,7 +683,23 @@ class HcommBackend(_C10dBackend):
 
     @property
     def supports_splitting(self) -> bool:
-        return False
+        return True
+
+    def split(self, store: Any, ranks: List[int], opts: Any = None) -> "HcommBackend":
+        """``torch.distributed.split_group``: the backend of `ranks` (this group's ranks, in
+        the new group's order), made by :meth:`hcomm.Communicator.new_group` on this group's
+        communicator, so that it joins through the job's rendezvous store with its token (no
+        new torch store key, no new master port). Only the members call it."""
+        members = [int(r) for r in ranks]
+        if self.rank() not in members:
+            raise InvalidArgumentError(f"hcomm backend: split: this rank ({self.rank()}) is not in the ranks {members}")
+        timeout = getattr(opts, "_timeout", None) if opts is not None else None
+        if not isinstance(timeout, datetime.timedelta):
+            timeout = self._timeout
+        new = self.comm.new_group(members)
+        if not os.environ.get("HCOMM_TIMEOUT"):  # as _bootstrap: the variable wins
+            new.timeout = max(timeout.total_seconds(), 0.001)
+        return HcommBackend(store, new.rank, new.world_size, timeout, comm=new)
 
     @property
     def supports_coalescing(self) -> bool:
@@ -673,6 +725,21 @@ class HcommBackend(_C10dBackend):
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    def get_error(self) -> Any:
+        """``ProcessGroup.get_error``: the kind of this group's last communication failure
+        (``TIMEOUT``; ``REMOTE_ERROR`` when a peer failed or went away; ``COMM_ERROR``
+        otherwise), ``SUCCESS`` while there was none. Refused arguments do not count."""
+        from torch._C._distributed_c10d import ErrorType
+
+        e = self._waiter.failure
+        if e is None:
+            return ErrorType.SUCCESS
+        if isinstance(e, HcommTimeoutError):
+            return ErrorType.TIMEOUT
+        if isinstance(e, PeerError):
+            return ErrorType.REMOTE_ERROR
+        return ErrorType.COMM_ERROR
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -718,11 +785,33 @@ class HcommBackend(_C10dBackend):
             raise InvalidArgumentError("hcomm backend: allreduce got sparse and dense tensors together")
         out = []
         for t in tensors:
-            res = self.comm.sparse_all_reduce(t, op=red.core)
+            res = self._sparse_allreduce_one(t, red.core)
             with torch.no_grad():
                 t.copy_(res)
             out.append(res)
         return _Work(out)
+
+    def _sparse_allreduce_one(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """One sparse COO tensor reduced (hcomm's row-sparse all-reduce): with several sparse
+        dimensions, their indices go as one linear index (row-major over the sparse
+        dimensions) and come back unravelled."""
+        sparse_dims = t.sparse_dim()
+        if sparse_dims == 1:
+            return self.comm.sparse_all_reduce(t, op=op)
+        t = t.coalesce()
+        grid = list(t.shape[:sparse_dims])
+        rows = 1
+        for d in grid:
+            rows *= d
+        if rows >= 1 << 63:
+            raise InvalidArgumentError(f"hcomm backend: sparse allreduce: sparse shape {grid} has more than 2**63 positions")
+        strides = torch.tensor([int(torch.tensor(grid[i + 1 :], dtype=torch.int64).prod()) for i in range(sparse_dims)], dtype=torch.int64)
+        linear = (t.indices() * strides[:, None]).sum(0, keepdim=True)
+        flat = torch.sparse_coo_tensor(linear, t.values(), [rows] + list(t.shape[sparse_dims:]))
+        res = self.comm.sparse_all_reduce(flat, op=op).coalesce()
+        lin = res.indices()[0]
+        indices = torch.stack([(lin // strides[i]) % grid[i] for i in range(sparse_dims)])
+        return torch.sparse_coo_tensor(indices, res.values(), t.shape).coalesce()
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> dist._Work:
         return self.allreduce(tensors, opts)
@@ -774,7 +863,35 @@ class HcommBackend(_C10dBackend):
         return _Work([o for outs in output_lists for o in outs])
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
-        return self.allgather(output_lists, inputs, opts)
+        """``all_gather_coalesced``: ``output_lists[r][j]`` receives rank r's ``inputs[j]``.
+        The tensors may differ in shape (the same ones on every rank) and be empty; they go as
+        one all-gather of their concatenation. One wire dtype for all of them (complex travels
+        as its real view, bool as uint8)."""
+        op = "allgather_coalesced"
+        _check_cpu(op, inputs)
+        n = self.size()
+        if len(output_lists) != n:
+            raise InvalidArgumentError(f"hcomm backend: {op} needs one output list per rank ({n}), got {len(output_lists)}")
+        counts = [_numel(t) for t in inputs]
+        kinds = {_wire_dtype(t.dtype) for t in inputs}
+        for r, outs in enumerate(output_lists):
+            _check_cpu(op, outs)
+            got = [_numel(o) for o in outs]
+            if got != counts:
+                raise InvalidArgumentError(f"hcomm backend: {op}: output list {r} has {got} elements per tensor, the inputs {counts}")
+            kinds |= {_wire_dtype(o.dtype) for o in outs}
+        if len(kinds) > 1:
+            raise InvalidArgumentError(f"hcomm backend: {op} takes tensors of one dtype, got {sorted(map(str, kinds))}")
+        dtype = kinds.pop() if kinds else torch.float32
+        send = torch.cat([_flat(t) for t in inputs]) if inputs else torch.empty(0, dtype=dtype)
+        recv = torch.empty(n * send.numel(), dtype=dtype)
+        self._c.all_gather(send, recv, None)
+        with torch.no_grad():
+            for outs, block in zip(output_lists, recv.view(n, send.numel())):
+                for o, part in zip(outs, block.split(counts)):
+                    w = _wire(o)
+                    w.copy_(part.view(w.shape))
+        return _Work([o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist._Work:
         _check_cpu("all_gather_into_tensor", [output, inp])
@@ -895,9 +1012,11 @@ class HcommBackend(_C10dBackend):
     def monitored_barrier(self, opts: Any, wait_all_ranks: bool = False) -> None:
         """gloo's monitoredBarrier, through torch's store (so that a rank that does not come
         leaves hcomm's communicator as it was): every rank but 0 checks in and waits for rank
-        0's release; rank 0 waits for each rank in turn, until `opts.timeout` after it came.
+        0's verdict; rank 0 waits for each rank in turn, until `opts.timeout` after it came.
         A rank that did not check in by then is named: at once (the first one), or, with
-        `wait_all_ranks`, all of them together. Raises :class:`MonitoredBarrierError`."""
+        `wait_all_ranks`, all of them together; the others then fail at once too, told to look
+        at rank 0. The messages are gloo's. Raises :class:`MonitoredBarrierError` (a
+        ``RuntimeError`` as gloo's errors are, and an :class:`HcommTimeoutError`)."""
         import time
 
         if self._store is None:
@@ -910,36 +1029,47 @@ class HcommBackend(_C10dBackend):
         if me != 0:
             store.set(key + str(me), b"1")
             try:
-                store.wait([key + "release"], timeout)
-            except RuntimeError as e:
-                err = MonitoredBarrierError(
-                    f"[Rank {me}]: rank 0 did not release monitoredBarrier in {ms} ms (it names the ranks that failed to pass)"
+                store.wait([key + "verdict"], timeout)
+                verdict = store.get(key + "verdict").decode()
+            except RuntimeError:
+                verdict = f"no word from rank 0 in {ms} ms"
+            if verdict != "passed":
+                raise _monitored_error(
+                    f"[Rank {me}]: Rank {me} successfully reached monitoredBarrier, but received errors while "
+                    f"waiting for send/recv from rank 0 ({verdict}). Please check rank 0 logs for faulty rank.",
+                    (0,),
                 )
-                err.peers, err.op = (0,), "monitored_barrier"
-                raise err from e
             return
         deadline = time.monotonic() + timeout.total_seconds()
-        missing = []
+        processed: List[int] = []
+        missing: List[int] = []
+
+        def fail(message: str, ranks: List[int]) -> None:
+            store.set(key + "verdict", f"rank 0: {message}".encode())
+            raise _monitored_error(f"[Rank 0]: {message}", tuple(ranks))
+
         for r in range(1, n):
             left = deadline - time.monotonic()
-            try:
-                if left > 0:
+            if left > 0:
+                try:
                     store.wait([key + str(r)], datetime.timedelta(seconds=left))
-                elif not store.check([key + str(r)]):
-                    raise RuntimeError("deadline passed")
-            except RuntimeError as e:
-                if not wait_all_ranks:
-                    err = MonitoredBarrierError(f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms")
-                    err.peers, err.op = (r,), "monitored_barrier"
-                    raise err from e
+                    processed.append(r)
+                    continue
+                except RuntimeError:
+                    pass
+            elif store.check([key + str(r)]):
+                processed.append(r)
+                continue
+            if wait_all_ranks:
                 missing.append(r)
+            elif left > 0:
+                fail(f"Rank {r} failed to pass monitoredBarrier in {ms} ms", [r])
+            else:  # the time was up before rank 0 came to wait for r (gloo's wording)
+                done = f"Successfully processed ranks: {', '.join(map(str, processed))}" if processed else "No ranks successfully processed in monitoredBarrier."
+                fail(f"Rank 0 timed out in monitoredBarrier after {ms} ms (rank {r} had not come). {done}", [r])
         if missing:
-            err = MonitoredBarrierError(
-                f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms"
-            )
-            err.peers, err.op = tuple(missing), "monitored_barrier"
-            raise err
-        store.set(key + "release", b"1")
+            fail(f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms", missing)
+        store.set(key + "verdict", b"passed")
 
     # -- point-to-point --------------------------------------------------------------------
 
@@ -1010,19 +1140,27 @@ class HcommBackend(_C10dBackend):
 def _counted(f: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: HcommBackend, *args: Any, **kwargs: Any) -> Any:
         self._seq += 1
-        return f(self, *args, **kwargs)
+        try:
+            return f(self, *args, **kwargs)
+        except HcommError as e:
+            err = _torch_error(e)
+            if err is e:
+                raise
+            self._waiter.failure = err
+            raise err from e
 
     call.__name__, call.__qualname__, call.__doc__ = f.__name__, f.__qualname__, f.__doc__
     return call
 
 
-# Every operation torch issues counts one (as gloo counts them), whichever way it runs.
+# Every operation torch issues counts one (as gloo counts them), whichever way it runs, and
+# its hcomm failures reach torch as torch's (`_torch_error`), remembered for `get_error`.
 for _name in (
     "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced",
     "all_gather_single", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
     "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
     "reduce_scatter_single_coalesced", "alltoall", "all_to_all_single", "gather", "scatter",
-    "barrier", "monitored_barrier", "send", "recv",
+    "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
 ):  # fmt: skip
     setattr(HcommBackend, _name, _counted(getattr(HcommBackend, _name)))
 del _name

@@ -43,6 +43,7 @@ def test_reduce_ops_and_dtypes(n):
 def test_monitored_barrier_names_absent_ranks(n):
     out = run_job(n, [WORKER, "monitored_barrier"], timeout=120)
     assert out.count("ok monitored_barrier names the ranks") == n
+    assert out.count("ok monitored_barrier with timeout 0 on rank 0 says rank 0 timed out") == n
     assert "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 2000 ms" in out
     absent = ", ".join(str(r) for r in range(1, n))
     assert f"[Rank 0]: Ranks {absent} failed to pass monitoredBarrier in 2000 ms" in out
@@ -69,3 +70,15 @@ def test_coalesced_entry_points_and_fsdp2_match_gloo(n):
     assert out.count("ok coalesced all_gather_into_tensor and reduce_scatter_tensor (async) equal gloo's") == n
     assert out.count("ok FSDP2 fully_shard trains 4 steps with gloo's parameters") == n
     assert "all_gather_single_coalesced" in out  # FSDP2's all-gathers went through it
+
+
+@needs_torch
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", RANKS)
+def test_entry_points_split_group_and_errors(n):
+    # HCOMM_TIMEOUT unset: the groups' timeouts are torch's (the 1 s group must time out in 1 s)
+    out = run_job(n, [WORKER, "entry_points"], timeout=150, env={"HCOMM_TIMEOUT": ""})
+    assert out.count("ok all_gather_coalesced (uneven, empty, complex) equals gloo's; mismatched outputs refused") == n
+    assert out.count("ok sparse all_reduce with 1-3 sparse dimensions equals gloo's") == n
+    assert out.count("ok split_group gives an hcomm subgroup of the parent's communicator") == n
+    assert out.count("ok a timed-out collective raises DistBackendError naming the timeout; get_error reports it") == n

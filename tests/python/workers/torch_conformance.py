@@ -6,7 +6,7 @@ launcher that sets torch's variables:
     python -m hcomm run -n N python torch_conformance.py CASE
 
 CASE is one of is_completed, detail, reduce_ops, monitored_barrier, powersgd, future_error,
-fsdp. Prints "ok <check>" lines and WORKER OK at the end.
+fsdp, entry_points. Prints "ok <check>" lines and WORKER OK at the end.
 """
 
 import datetime
@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType
 
 import hcomm
 import hcomm.torch as ht
@@ -457,12 +458,14 @@ elif CASE == "monitored_barrier":
             took = time.monotonic() - start
             print(f"rank {R} caught {type(e).__name__}: {e} after {took:.1f} s", flush=True)
             assert isinstance(e, hcomm.HcommTimeoutError) and isinstance(e, TimeoutError)
+            assert isinstance(e, dist.DistBackendError) and isinstance(e, RuntimeError)  # as gloo's
             assert 1.5 <= took <= 15, took
             if R == 0:
                 assert str(e) == expected, (str(e), expected)
                 assert e.peers == tuple(absent), e.peers
             else:
                 assert e.peers == (0,), e.peers
+                assert f"Rank {R} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0" in str(e), str(e)
 
     # fail fast: rank 1 does not come; rank 0 names it
     if R == 1:
@@ -480,6 +483,17 @@ elif CASE == "monitored_barrier":
     dist.all_reduce(t)
     eq("all_reduce after failed monitored barriers", t, sum(x(r) for r in range(W)))
     ok("monitored_barrier names the ranks that did not come (fail fast and wait_all_ranks), like gloo")
+
+    # rank 0's time is up before it waits for anyone (timeout 0): gloo's "timed out" wording
+    if R == 0:
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(0))
+            raise AssertionError("monitored_barrier with timeout 0 must fail when the others do not come")
+        except ht.MonitoredBarrierError as e:
+            assert "Rank 0 timed out in monitoredBarrier after 0 ms" in str(e), str(e)
+            assert "No ranks successfully processed" in str(e), str(e)
+    dist.barrier()
+    ok("monitored_barrier with timeout 0 on rank 0 says rank 0 timed out")
 
     # gloo, same scenario (fail fast), for its message: the same form as ours
     if R == 1:
@@ -655,6 +669,86 @@ elif CASE == "fsdp":
     for a, b in zip(ph, pg):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     ok("FSDP2 fully_shard trains 4 steps with gloo's parameters")
+
+# ----------------------------------------------------------------------------------------------
+elif CASE == "entry_points":
+    # all_gather_coalesced: output_lists[rank][tensor], tensors of different shapes (some empty,
+    # some complex), one call
+    def gathered(group, dtype):
+        shapes = [(2, 2), (0,), (3, 3, 3), (1,), (0,)]
+        ins = [(torch.arange(torch.Size(s).numel()) + 10 * R + i).reshape(s).to(dtype) for i, s in enumerate(shapes)]
+        if dtype.is_complex:
+            ins = [t * (1 - 2j) for t in ins]
+        outs = [[torch.full(s, -1, dtype=dtype) for s in shapes] for _ in range(W)]
+        dist.all_gather_coalesced(outs, ins, group=group)
+        return outs
+
+    for dtype in (torch.float32, torch.int64, torch.complex64):
+        h, g = both(lambda group: gathered(group, dtype))
+        for r in range(W):
+            for a, b in zip(h[r], g[r]):
+                eq(f"all_gather_coalesced {dtype} from rank {r}", a, b)
+    try:
+        dist.all_gather_coalesced([[torch.empty(4)] for _ in range(W)], [torch.empty(3)])
+        raise AssertionError("all_gather_coalesced with mismatched outputs must fail")
+    except ValueError as e:
+        assert "allgather_coalesced" in str(e) and "[4]" in str(e) and "[3]" in str(e), str(e)
+    ok("all_gather_coalesced (uneven, empty, complex) equals gloo's; mismatched outputs refused")
+
+    # sparse all-reduce with several sparse dimensions and dense ones, against gloo
+    def sparse(group, sparse_dims, dense):
+        n = R + 1
+        idx = torch.stack([torch.arange(n)] + [torch.full((n,), (R + d) % 2) for d in range(sparse_dims - 1)])
+        vals = torch.ones([n] + [2] * dense) * (R + 1)
+        t = torch.sparse_coo_tensor(idx, vals, [W + 1] + [2] * (sparse_dims - 1) + [2] * dense)
+        dist.all_reduce(t, group=group)
+        return t.coalesce().to_dense()
+
+    for sd, dense in ((1, 0), (2, 0), (3, 0), (2, 1), (1, 2)):
+        h, g = both(lambda group: sparse(group, sd, dense))
+        eq(f"sparse all_reduce {sd} sparse dims, {dense} dense", h, g)
+    ok("sparse all_reduce with 1-3 sparse dimensions equals gloo's")
+
+    # split_group: the subgroup comes from the parent's communicator (its store, no new port)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert backend.supports_splitting
+    halves = [list(range(0, W, 2)), list(range(1, W, 2))]
+    sub = dist.split_group(split_ranks=halves)
+    mine = halves[R % 2]
+    assert dist.get_world_size(sub) == len(mine) and dist.get_rank(sub) == mine.index(R)
+    t = x(R)
+    dist.all_reduce(t, group=sub)
+    eq("all_reduce on split_group", t, sum(x(r) for r in mine))
+    sub_backend = sub._get_backend(torch.device("cpu"))
+    assert isinstance(sub_backend, ht.HcommBackend), type(sub_backend)
+    assert sub_backend.comm.world_size == len(mine)
+    dist.monitored_barrier(group=sub, timeout=datetime.timedelta(seconds=10))
+    ok("split_group gives an hcomm subgroup of the parent's communicator")
+
+    # a timed-out collective: a DistBackendError (as gloo's) that names the timeout; get_error
+    short = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    short_backend = short._get_backend(torch.device("cpu"))
+    assert short_backend.get_error() == ErrorType.SUCCESS
+    if R == 0:
+        start = time.monotonic()
+        try:
+            dist.barrier(group=short)
+            raise AssertionError("a barrier only rank 0 enters must time out")
+        except dist.DistBackendError as e:
+            took = time.monotonic() - start
+            assert isinstance(e, hcomm.HcommTimeoutError), type(e).__mro__
+            assert " timeout " in str(e) and "rank(s) [1" in str(e), str(e)
+            assert 0.9 <= took <= 15, took
+        assert short_backend.get_error() == ErrorType.TIMEOUT, short_backend.get_error()
+    try:
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM, group=gloo, async_op=False)
+        dist.broadcast(torch.ones(2), src=W, group=None)
+        raise AssertionError("a broadcast from a rank out of range must fail")
+    except ValueError as e:
+        print(f"rank {R}: bad root refused: {e}", flush=True)
+    assert backend.get_error() == ErrorType.SUCCESS  # a refused argument is no failure
+    dist.barrier(group=gloo)
+    ok("a timed-out collective raises DistBackendError naming the timeout; get_error reports it")
 
 else:
     raise SystemExit(f"unknown case {CASE}")
