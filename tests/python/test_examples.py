@@ -20,7 +20,11 @@ CASES = [
 
 
 #: Examples with arguments, tested in their own files.
-ELSEWHERE = {"train_ddp.py": "test_train_ddp.py", "fault_tolerant_training.py": "test_fault_tolerance.py"}
+ELSEWHERE = {
+    "train_ddp.py": "test_train_ddp.py",
+    "fault_tolerant_training.py": "test_fault_tolerance.py",
+    "torch_workloads.py": "here (test_torch_workloads_equal_gloo)",
+}
 
 
 def test_every_example_is_tested():
@@ -31,6 +35,22 @@ def test_every_example_is_tested():
 @pytest.mark.parametrize("script, n", CASES)
 def test_example_runs(script, n):
     run_job(n, [EXAMPLES / script], timeout=180)
+
+
+@needs_torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_workloads_equal_gloo(n):
+    # FSDP2 (a small transformer), DTensor and torch.distributed.checkpoint on hcomm, each
+    # compared with gloo on the same seeds (the example asserts it), and the 8 B timing loop
+    out = run_job(n, [EXAMPLES / "torch_workloads.py", "--quick"], timeout=240)
+    for line in (
+        "ok FSDP2 transformer: hcomm's parameters equal gloo's after 4 steps",
+        "ok DTensor distribute_tensor / redistribute",
+        "ok torch.distributed.checkpoint: the FSDP2 model saved and loaded on hcomm",
+        "ok 8 B all_reduce timed on hcomm and gloo",
+    ):
+        assert line in out, line
 
 
 @pytest.mark.parametrize("script", ["examples/train_ddp.py", "scripts/training-report.py", "scripts/convergence.py"])
