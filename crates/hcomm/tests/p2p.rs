@@ -76,6 +76,10 @@ fn same_tag_messages_keep_their_order() {
                     assert_eq!(v[0], i);
                 }
             }
+            // Rank 0 stays until rank 1 has every message: its sends are eager (done once
+            // written), and rank 1's first receive may still be setting up its link to rank 0,
+            // which fails with "connection refused" once rank 0 is gone (seen in CI).
+            c.barrier()?;
             Ok(())
         }));
     });
