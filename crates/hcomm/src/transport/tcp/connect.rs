@@ -38,6 +38,16 @@ pub(super) struct Acceptor {
     pub(super) waker: Arc<UnixStream>,
     pub(super) stop: Arc<AtomicBool>,
     pub(super) counters: Arc<Counters>,
+    /// Where the accept thread stands (see [`Acceptor::settled_since`]).
+    pub(super) progress: Arc<AcceptProgress>,
+}
+
+/// How far the accept thread has got: connections accepted but still being authenticated,
+/// and how many times it has found the listener's backlog empty.
+#[derive(Default)]
+pub(super) struct AcceptProgress {
+    authenticating: Arc<AtomicUsize>,
+    sweeps: AtomicU64,
 }
 
 impl Acceptor {
@@ -56,12 +66,26 @@ impl Acceptor {
         let (tx, accepted) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
-        let (st, c) = (stop.clone(), counters.clone());
+        let progress = Arc::new(AcceptProgress::default());
+        let (st, c, p) = (stop.clone(), counters.clone(), progress.clone());
         let waker = Arc::new(waker);
         let w = waker.clone();
         std::thread::Builder::new()
             .name("hcomm-accept".into())
-            .spawn(move || accept_loop(listener, me, tx, w, st, c, revocation))?;
+            .spawn(move || {
+                accept_loop(
+                    listener,
+                    AcceptThread {
+                        me,
+                        tx,
+                        waker: w,
+                        stop: st,
+                        counters: c,
+                        revocation,
+                        progress: p,
+                    },
+                )
+            })?;
         Ok(Acceptor {
             addr,
             accepted,
@@ -69,7 +93,22 @@ impl Acceptor {
             waker,
             stop,
             counters,
+            progress,
         })
+    }
+
+    /// A mark to pass to [`Acceptor::settled_since`], taken after the event it is about.
+    pub(super) fn mark(&self) -> u64 {
+        self.progress.sweeps.load(Ordering::SeqCst)
+    }
+
+    /// Whether every connection that reached the listener before `mark` was taken has been
+    /// through authentication (and, if good, is in `accepted`): the accept thread has found
+    /// the backlog empty twice since (so once after the mark), and nothing accepted is still
+    /// being authenticated.
+    pub(super) fn settled_since(&self, mark: u64) -> bool {
+        self.progress.sweeps.load(Ordering::SeqCst) >= mark + 2
+            && self.progress.authenticating.load(Ordering::SeqCst) == 0
     }
 
     /// Empty the wake-up socket (the channel is drained by the caller).
@@ -86,16 +125,28 @@ impl Drop for Acceptor {
     }
 }
 
-pub(super) fn accept_loop(
-    listener: Socket,
+/// What the accept thread works with (its side of the [`Acceptor`]).
+pub(super) struct AcceptThread {
     me: Identity,
     tx: mpsc::Sender<(usize, Purpose, Socket)>,
     waker: Arc<UnixStream>,
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
     revocation: Arc<Revocation>,
-) {
-    let pending = Arc::new(AtomicUsize::new(0));
+    progress: Arc<AcceptProgress>,
+}
+
+pub(super) fn accept_loop(listener: Socket, t: AcceptThread) {
+    let AcceptThread {
+        me,
+        tx,
+        waker,
+        stop,
+        counters,
+        revocation,
+        progress,
+    } = t;
+    let pending = progress.authenticating.clone();
     while !stop.load(Ordering::SeqCst) {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(100u16)) {
@@ -108,7 +159,10 @@ pub(super) fn accept_loop(
         loop {
             let (sock, from) = match listener.accept() {
                 Ok(c) => c,
-                Err(e) if would_block(&e) => break,
+                Err(e) if would_block(&e) => {
+                    progress.sweeps.fetch_add(1, Ordering::SeqCst);
+                    break;
+                }
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
                 Err(e) => {
                     // Out of descriptors or similar: do not spin on it.
@@ -136,8 +190,9 @@ pub(super) fn accept_loop(
             let spawned = std::thread::Builder::new()
                 .name("hcomm-link-auth".into())
                 .spawn(move || {
+                    // The slot is given back only once the outcome is delivered, so that
+                    // `settled_since` never sees a good connection in neither place.
                     let r = authenticate(sock, &me, &counters);
-                    drop(slot);
                     match r {
                         Ok((peer, Purpose::Revoke(by), _)) => {
                             // Handled here, whatever this rank is doing: every wait gives up
@@ -153,6 +208,7 @@ pub(super) fn accept_loop(
                         }
                         Err(e) => tracing::warn!(?from, "rejected a data connection: {e}"),
                     }
+                    drop(slot);
                 });
             if let Err(e) = spawned {
                 tracing::warn!("cannot start a thread to authenticate a data connection: {e}");
@@ -334,9 +390,14 @@ impl TcpLinks {
             }
             let recently = self.asked_at[peer].is_some_and(|t| t.elapsed() < ASK_AGAIN);
             if self.asking[peer].is_none() && !recently {
-                let s = self.dial(ctx, peer, 0, deadline)?;
-                self.asking[peer] = Some(s);
-                self.asked_at[peer] = Some(Instant::now());
+                match self.dial(ctx, peer, 0, deadline) {
+                    Ok(s) => {
+                        self.asking[peer] = Some(s);
+                        self.asked_at[peer] = Some(Instant::now());
+                    }
+                    Err(e @ Error::PeerClosed { .. }) => return self.after_refusal(peer, e),
+                    Err(e) => return Err(e),
+                }
             }
             return Ok(false);
         }
@@ -353,6 +414,31 @@ impl TcpLinks {
             .collect::<Result<Vec<_>>>()?;
         self.inb[peer] = Some(socks);
         Ok(true)
+    }
+
+    /// A lower rank's listener refused us: it is gone, but it may have connected to us before
+    /// it left (eager sends complete once written), with its sockets still in our acceptor.
+    /// Wait until every connection that arrived before the refusal has been through
+    /// authentication (a few hundred milliseconds at most: the accept thread polls every
+    /// 100 ms), take them, and report `refused` only if the link is still missing.
+    fn after_refusal(&mut self, peer: usize, refused: Error) -> Result<bool> {
+        // Taken after the refusal: what reached the listener before it is in the backlog now.
+        let mark = self.acceptor.mark();
+        let give_up = Instant::now() + 2 * PRE_AUTH_DEADLINE;
+        loop {
+            let settled = self.acceptor.settled_since(mark);
+            self.accept_pending();
+            if self.inb[peer].is_some() {
+                return Ok(true);
+            }
+            if self.forming[peer].iter().any(Option::is_some) {
+                return Ok(false);
+            }
+            if settled || Instant::now() >= give_up {
+                return Err(refused);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// Connect to `peer`'s listener, run the handshake and announce socket `stripe` (retried
