@@ -203,10 +203,29 @@ fn bucket_caps_change_no_bit() {
     }
 }
 
+/// Rank 0 contributes 2^11 (f16, whose step there is 2) or 2^8 (bf16, the same), the others
+/// 1: on 4 ranks the exact sum 2^k + 3 rounds (to even) to 2^k + 4 when rounded once, while
+/// a fold that rounds after each addition starting from rank 0 stays at 2^k (2^k + 1 rounds
+/// down to 2^k each time), and recursive doubling gives 2^k + 2.
+fn f16_value(rank: usize) -> f32 {
+    if rank == 0 {
+        2048.0
+    } else {
+        1.0
+    }
+}
+
+fn bf16_value(rank: usize) -> f32 {
+    if rank == 0 {
+        256.0
+    } else {
+        1.0
+    }
+}
+
 #[test]
 fn half_floats_are_accumulated_in_f32() {
-    // 4 ranks each add 1 + 2^-7 in bf16 (7 fraction bits): rank-order in f32 gives exactly
-    // 4 + 2^-5, which bf16 holds; rounding at each step would lose the fractions.
+    use half::f16;
     for transport in [TransportKind::Auto, TransportKind::Tcp] {
         // 10 elements (one-shot schedules) and 100,000 (the chunked and reduce-scatter ones).
         for count in [10, 100_000] {
@@ -216,17 +235,160 @@ fn half_floats_are_accumulated_in_f32() {
                 |cfg| BootstrapConfig { transport, ..cfg },
                 |c| {
                     c.set_deterministic(true);
-                    let mut buf = vec![bf16::from_f32(1.0 + 1.0 / 128.0); count];
-                    c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-                    Ok(buf)
+                    let mut h = vec![f16::from_f32(f16_value(c.rank())); count];
+                    c.all_reduce_in_place(&mut h, ReduceOp::Sum)?;
+                    let mut b = vec![bf16::from_f32(bf16_value(c.rank())); count];
+                    c.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
+                    Ok((h, b))
                 },
             ));
-            for g in got {
+            for (h, b) in got {
                 assert!(
-                    g.iter().all(|x| x.to_f32() == 4.0 + 4.0 / 128.0),
-                    "{transport:?}, {count}: {:?}",
-                    &g[..4]
+                    h.iter().all(|x| x.to_f32() == 2052.0),
+                    "f16, {transport:?}, {count}: {:?}",
+                    &h[..4]
                 );
+                assert!(
+                    b.iter().all(|x| x.to_f32() == 260.0),
+                    "bf16, {transport:?}, {count}: {:?}",
+                    &b[..4]
+                );
+            }
+        }
+    }
+}
+
+/// One all-reduce of `count` halves (every rank contributes `rank_value(rank)`) with `algo`
+/// forced and f32 accumulation `on` or off; rank 0's result as f32.
+fn half_sum<H: hcomm::Element + Copy>(
+    transport: TransportKind,
+    algo: Algo,
+    on: bool,
+    count: usize,
+    to_half: fn(f32) -> H,
+    rank_value: fn(usize) -> f32,
+) -> Vec<H> {
+    expect_all(run_threads_configured(
+        4,
+        T,
+        |cfg| BootstrapConfig { transport, ..cfg },
+        |c| {
+            c.set_accumulate_f32(on);
+            assert_eq!(c.accumulates_f32(), on);
+            if c.has_shared_memory() || algo != Algo::Shm {
+                c.set_algorithm(Collective::AllReduce, algo)?;
+            }
+            let mut buf = vec![to_half(rank_value(c.rank())); count];
+            c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            Ok(buf)
+        },
+    ))
+    .swap_remove(0)
+}
+
+#[test]
+fn accumulate_f32_rounds_half_sums_once_whatever_the_algorithm() {
+    use half::f16;
+    for (transport, algos) in [
+        (TransportKind::Auto, &[Algo::Shm][..]),
+        (
+            TransportKind::Tcp,
+            &[Algo::Ring, Algo::RecursiveDoubling, Algo::Auto][..],
+        ),
+    ] {
+        for &algo in algos {
+            for count in [1, 7, 100_000] {
+                let got = half_sum(transport, algo, true, count, f16::from_f32, f16_value);
+                assert!(
+                    got.iter().all(|x| x.to_f32() == 2052.0),
+                    "f16, {transport:?}, {algo:?}, {count}: {:?}",
+                    &got[..1]
+                );
+                let got = half_sum(transport, algo, true, count, bf16::from_f32, bf16_value);
+                assert!(
+                    got.iter().all(|x| x.to_f32() == 260.0),
+                    "bf16, {transport:?}, {algo:?}, {count}: {:?}",
+                    &got[..1]
+                );
+            }
+        }
+    }
+    // Without it the ring and recursive doubling round at every step (so the checks above
+    // can fail): some elements, or all, come out otherwise.
+    for algo in [Algo::Ring, Algo::RecursiveDoubling] {
+        let h = half_sum(TransportKind::Tcp, algo, false, 7, f16::from_f32, f16_value);
+        assert!(
+            h.iter().any(|x| x.to_f32() != 2052.0),
+            "f16 {algo:?}: {h:?}"
+        );
+        let b = half_sum(
+            TransportKind::Tcp,
+            algo,
+            false,
+            7,
+            bf16::from_f32,
+            bf16_value,
+        );
+        assert!(
+            b.iter().any(|x| x.to_f32() != 260.0),
+            "bf16 {algo:?}: {b:?}"
+        );
+    }
+}
+
+#[test]
+fn accumulate_f32_changes_the_algorithm_of_halves_only() {
+    expect_all(run_threads_configured(
+        2,
+        T,
+        |cfg| BootstrapConfig {
+            transport: TransportKind::Tcp,
+            ..cfg
+        },
+        |c| {
+            let ar = Collective::AllReduce;
+            assert_eq!(
+                c.algorithm_for_dtype(ar, 64, hcomm::DType::BF16),
+                Algo::RecursiveDoubling
+            );
+            c.set_accumulate_f32(true);
+            for d in [hcomm::DType::F16, hcomm::DType::BF16] {
+                assert_eq!(c.algorithm_for_dtype(ar, 64, d), Algo::Canonical);
+                assert_eq!(c.algorithm_for_dtype(ar, 64 << 20, d), Algo::Canonical);
+            }
+            for d in [hcomm::DType::F32, hcomm::DType::F64, hcomm::DType::I32] {
+                assert_eq!(c.algorithm_for_dtype(ar, 64, d), Algo::RecursiveDoubling);
+                assert_eq!(c.algorithm_for_dtype(ar, 64 << 20, d), Algo::Ring);
+            }
+            // f32 data still takes the fast path, and a sub-communicator inherits the setting
+            let mut v = vec![1.5f32; 9];
+            c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            assert!(v.iter().all(|&x| x == 3.0));
+            let sub = c.new_group(&[1, 0])?;
+            assert!(sub.accumulates_f32());
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn ranks_that_disagree_on_accumulate_f32_fail_as_a_mismatch() {
+    use half::f16;
+    for transport in [TransportKind::Auto, TransportKind::Tcp] {
+        let res = run_threads_configured(
+            2,
+            Duration::from_secs(10),
+            |cfg| BootstrapConfig { transport, ..cfg },
+            |c| {
+                c.set_accumulate_f32(c.rank() == 0);
+                let mut buf = vec![f16::from_f32(1.0); 5];
+                c.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+            },
+        );
+        for (r, res) in res.into_iter().enumerate() {
+            match res {
+                Err(hcomm::Error::Mismatch { .. }) => {}
+                other => panic!("{transport:?}: rank {r}: {other:?}, expected a mismatch"),
             }
         }
     }

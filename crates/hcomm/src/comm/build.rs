@@ -292,6 +292,7 @@ impl Communicator {
             hier_layout,
             corrupt_results: tuning.corrupt_one,
             deterministic: AtomicBool::new(tuning.deterministic),
+            accumulate_f32: AtomicBool::new(tuning.accumulate_f32),
             tuning,
             token,
             listen_addr,

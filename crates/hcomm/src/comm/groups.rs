@@ -133,6 +133,7 @@ impl Communicator {
         // The parent's knobs, with the algorithms it forces now.
         let mut tuning = self.tuning.clone();
         tuning.deterministic = self.is_deterministic();
+        tuning.accumulate_f32 = self.accumulates_f32();
         tuning.algo = self
             .inner
             .lock()

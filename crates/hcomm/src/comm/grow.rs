@@ -100,6 +100,7 @@ impl Communicator {
         }
         let mut tuning = self.tuning.clone();
         tuning.deterministic = self.is_deterministic();
+        tuning.accumulate_f32 = self.accumulates_f32();
         tuning.algo = self
             .inner
             .lock()

@@ -66,8 +66,9 @@ pub(crate) struct Call<'a> {
     pub shm: Option<&'a mut crate::shm::ShmGroup>,
     /// Extra fingerprint (e.g. a hash of per-rank counts) that must agree on every rank.
     pub fp_extra: u64,
-    /// Deterministic mode, read in this call's turn.
-    pub deterministic: bool,
+    /// The canonical schedules (deterministic mode, or f16/bf16 accumulated in f32), read in
+    /// this call's turn.
+    pub canonical: bool,
 }
 
 impl<'a> std::ops::Deref for Call<'a> {
@@ -83,6 +84,9 @@ impl<'a> std::ops::DerefMut for Call<'a> {
     }
 }
 
+/// Mixed into a shared-memory call's fingerprint when it runs the canonical (widening) fold.
+const WIDENED_FOLD: u64 = 0x5744_454e_4544_u64;
+
 impl Call<'_> {
     /// The shared-memory group, the waiting context for its calls and the call's fingerprint.
     pub fn shm_parts(
@@ -92,9 +96,12 @@ impl Call<'_> {
         crate::shm::WaitCtx<'_>,
         crate::wire::collective::ShmFingerprint,
     ) {
-        let fp = crate::wire::collective::ShmFingerprint::of(&self.run.fp, self.fp_extra);
+        // Every rank folds in rank order on shared memory either way, but only the canonical
+        // fold widens f16/bf16: ranks that disagree must fail as a mismatch, not round apart.
+        let widened = if self.canonical { WIDENED_FOLD } else { 0 };
+        let fp = crate::wire::collective::ShmFingerprint::of(&self.run.fp, self.fp_extra ^ widened);
         let group = self.shm.as_deref_mut().expect("shared memory group");
-        group.set_canonical(self.deterministic);
+        group.set_canonical(self.canonical);
         let w = crate::shm::WaitCtx {
             ctx: &self.run.ctx,
             deadline: self.run.deadline,
@@ -192,6 +199,8 @@ pub struct Communicator {
     tuning: Tuning,
     /// Reductions in the canonical order ([`Communicator::set_deterministic`]).
     deterministic: AtomicBool,
+    /// f16 and bf16 reductions accumulated in f32 ([`Communicator::set_accumulate_f32`]).
+    accumulate_f32: AtomicBool,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -469,6 +478,31 @@ impl Communicator {
         self.deterministic.load(Ordering::Relaxed)
     }
 
+    /// Accumulate f16 and bf16 reductions in f32 on or off (`HCOMM_ACCUMULATE=f32` sets it at
+    /// creation; sub-communicators made later inherit it). On, all-reduce, reduce-scatter(v)
+    /// and reduce of those two dtypes run the canonical schedules of deterministic mode
+    /// ([`set_deterministic`](Self::set_deterministic)): each element is the rank-order fold
+    /// of the contributions computed in f32 and rounded once, instead of being rounded at
+    /// every step of the ring or the tree. The other dtypes keep the algorithm the selector
+    /// picks. Every rank must make the same call, in issue order.
+    pub fn set_accumulate_f32(&self, on: bool) {
+        let _turn = self.engine.turns.enter();
+        self.accumulate_f32.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether f16 and bf16 reductions accumulate in f32
+    /// ([`set_accumulate_f32`](Self::set_accumulate_f32)).
+    pub fn accumulates_f32(&self) -> bool {
+        self.accumulate_f32.load(Ordering::Relaxed)
+    }
+
+    /// Whether a reduction of `dtype` runs the canonical schedules: in deterministic mode, or
+    /// for f16 and bf16 when they accumulate in f32.
+    fn canonical_for(&self, dtype: Option<DType>) -> bool {
+        self.is_deterministic()
+            || (self.accumulates_f32() && matches!(dtype, Some(DType::F16 | DType::BF16)))
+    }
+
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
     /// effect in issue order: for operations issued after this call, not for asynchronous
     /// ones already queued.
@@ -723,20 +757,32 @@ impl Communicator {
         }
     }
 
-    fn select(&self, coll: Collective, bytes: usize, forced: Algo) -> Algo {
+    fn select(&self, coll: Collective, bytes: usize, forced: Algo, canonical: bool) -> Algo {
         let topology = Topology {
             size: self.size,
             shared_memory: self.shm_bytes > 0,
             hierarchical: self.hierarchical_layout().is_some(),
-            deterministic: self.deterministic.load(Ordering::Relaxed),
+            deterministic: canonical,
         };
         select(coll, bytes, forced, &topology, &self.thresholds)
     }
 
     /// The algorithm the selector would use for `coll` on `bytes` bytes per rank (after
-    /// `HCOMM_ALGO` and [`set_algorithm`](Self::set_algorithm)).
+    /// `HCOMM_ALGO` and [`set_algorithm`](Self::set_algorithm)), for a dtype other than f16
+    /// and bf16 (see [`algorithm_for_dtype`](Self::algorithm_for_dtype)).
     pub fn algorithm_for(&self, coll: Collective, bytes: usize) -> Algo {
-        self.select(coll, bytes, self.forced_algorithm(coll))
+        self.algorithm_for_dtype(coll, bytes, DType::F32)
+    }
+
+    /// [`algorithm_for`](Self::algorithm_for) for elements of `dtype` (f16 and bf16 run the
+    /// canonical schedules when they accumulate in f32).
+    pub fn algorithm_for_dtype(&self, coll: Collective, bytes: usize, dtype: DType) -> Algo {
+        self.select(
+            coll,
+            bytes,
+            self.forced_algorithm(coll),
+            self.canonical_for(Some(dtype)),
+        )
     }
 
     /// The algorithm set for `coll` ([`set_algorithm`](Self::set_algorithm) or
@@ -751,9 +797,9 @@ impl Communicator {
             .unwrap_or(Algo::Auto)
     }
 
-    fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize) -> Algo {
+    fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize, canonical: bool) -> Algo {
         let forced = inner.algo.get(&coll).copied().unwrap_or(Algo::Auto);
-        let algo = self.select(coll, bytes, forced);
+        let algo = self.select(coll, bytes, forced, canonical);
         let bit = 1u16 << algo.code();
         if inner.logged[coll as usize] & bit == 0 {
             inner.logged[coll as usize] |= bit;
@@ -795,7 +841,8 @@ impl Communicator {
         F: FnOnce(&mut Call, Algo) -> Result<()>,
     {
         let (mut inner, ctx) = self.lock(coll.name())?;
-        let algo = self.choose(&mut inner, coll, bytes);
+        let canonical = self.canonical_for(dtype);
+        let algo = self.choose(&mut inner, coll, bytes, canonical);
         let fp = Header {
             algo: algo.code(),
             ..crate::wire::collective::fingerprint(ctx.seq, coll, dtype, op, root, count)
@@ -817,7 +864,7 @@ impl Communicator {
                 },
                 shm: inner.shm.as_mut(),
                 fp_extra: 0,
-                deterministic: self.deterministic.load(Ordering::Relaxed),
+                canonical,
             };
             body(&mut call, algo)
         };

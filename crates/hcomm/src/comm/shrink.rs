@@ -166,6 +166,7 @@ impl Communicator {
             let list: Vec<String> = survivors.iter().map(|r| r.to_string()).collect();
             let mut tuning = self.tuning.clone();
             tuning.deterministic = self.is_deterministic();
+            tuning.accumulate_f32 = self.accumulates_f32();
             tuning.algo = self
                 .inner
                 .lock()

@@ -137,8 +137,16 @@ pub const DETERMINISTIC: Knob = Knob {
     doc: "`1`: reductions give the same bits whatever the algorithm, size, bucket or transport",
 };
 
+/// `HCOMM_ACCUMULATE`.
+pub const ACCUMULATE: Knob = Knob {
+    var: "HCOMM_ACCUMULATE",
+    accepts: Accepts::Text,
+    default: KnobDefault::Described("`native`"),
+    doc: "`f32`: f16 and bf16 sums, products and means are accumulated in f32 and rounded once",
+};
+
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 7] = [
+pub const KNOBS: [&Knob; 8] = [
     &SPIN_US,
     &SHM_CHUNK,
     &SHM_P2P_BYTES,
@@ -146,6 +154,7 @@ pub const KNOBS: [&Knob; 7] = [
     &ALGO,
     &FAULT_INJECT,
     &DETERMINISTIC,
+    &ACCUMULATE,
 ];
 
 /// The knob read from `var`, if it is one.
@@ -266,6 +275,10 @@ pub struct Tuning {
     /// contributions in rank order (f16 and bf16 accumulated in f32) whatever the size,
     /// transport or layout ([`crate::algo::canonical`]).
     pub deterministic: bool,
+    /// `HCOMM_ACCUMULATE=f32`: f16 and bf16 all-reduce, reduce-scatter and reduce run the
+    /// canonical schedules, which accumulate in f32 and round once (as deterministic mode
+    /// does, for these two dtypes only).
+    pub accumulate_f32: bool,
 }
 
 impl Default for Tuning {
@@ -279,6 +292,7 @@ impl Default for Tuning {
             corrupt_one: false,
             die_in_shrink_setup: false,
             deterministic: false,
+            accumulate_f32: false,
         }
     }
 }
@@ -330,6 +344,18 @@ impl Tuning {
                 })
             }
         };
+        let accumulate_f32 = match vars.get(ACCUMULATE.var).as_deref() {
+            None | Some("native") => false,
+            Some("f32") => true,
+            Some(v) => {
+                return Err(ConfigError::Tuning {
+                    message: format!(
+                        "{}={v}: expected f32 (accumulate f16 and bf16 in f32) or native",
+                        ACCUMULATE.var
+                    ),
+                })
+            }
+        };
         Ok(Tuning {
             spin_us,
             shm_chunk,
@@ -339,6 +365,7 @@ impl Tuning {
             corrupt_one,
             die_in_shrink_setup,
             deterministic,
+            accumulate_f32,
         })
     }
 }
@@ -421,6 +448,8 @@ mod tests {
             vec![("HCOMM_FAULT_INJECT", "corrupt-one")],
             vec![("HCOMM_ALGO", "ring")],
             vec![("HCOMM_ALGO", "allreduce=rd,broadcast=chain")],
+            vec![("HCOMM_ACCUMULATE", "f32")],
+            vec![("HCOMM_ACCUMULATE", "native")],
         ] {
             assert_eq!(tuning(&good), Ok(()), "{good:?}");
         }
@@ -468,6 +497,11 @@ mod tests {
                 "nosuch=ring",
                 "HCOMM_ALGO: unknown collective 'nosuch'",
             ),
+            (
+                "HCOMM_ACCUMULATE",
+                "f64",
+                "HCOMM_ACCUMULATE=f64: expected f32 (accumulate f16 and bf16 in f32) or native",
+            ),
         ] {
             let e = tuning(&[(var, value)]).expect_err(value);
             assert!(e.starts_with(want), "{var}={value}: {e}");
@@ -484,8 +518,10 @@ mod tests {
             ("HCOMM_SOCKET_BUF", "65536"),
             ("HCOMM_ALGO", "ring"),
             ("HCOMM_FAULT_INJECT", " corrupt-one "),
+            ("HCOMM_ACCUMULATE", " f32 "),
         ])
         .unwrap();
+        assert!(t.accumulate_f32);
         assert_eq!(t.spin_us, Some(7));
         assert_eq!(t.shm_chunk, 20480); // rounded up to 4 KiB
         assert_eq!(t.shm_p2p_bytes, Some(8192));
