@@ -619,6 +619,20 @@ class Communicator:
     def deterministic(self, on: bool) -> None:
         self._c.deterministic = bool(on)
 
+    @property
+    def accumulate(self) -> str:
+        """How f16 and bf16 reductions accumulate (settable; ``HCOMM_ACCUMULATE`` sets it at
+        creation): ``"f32"`` computes each element of an all-reduce, reduce-scatter or
+        reduce in f32 and rounds once (the rank-order fold of deterministic mode, for these
+        two dtypes only); ``"native"`` (the default) lets the selected algorithm round after
+        every addition. Every rank must set the same value, in the same place of its
+        program; a :class:`ValueError` names any other value."""
+        return self._c.accumulate
+
+    @accumulate.setter
+    def accumulate(self, how: str) -> None:
+        self._c.accumulate = how
+
     def abort(self) -> None:
         """Abort: every operation in flight and every later one fails with
         :class:`AbortedError`. Safe from any thread."""

@@ -117,6 +117,14 @@ def test_deterministic_reductions_give_the_rank_order_bits(n, mode):
     assert out.count("deterministic ok") == n
 
 
+@pytest.mark.parametrize("n,mode", [(2, "accumulate-property"), (3, "accumulate-env"), (4, "accumulate-property")])
+def test_accumulate_f32_rounds_half_sums_once(n, mode):
+    # env: over TCP (recursive doubling and the ring); property: shared memory
+    env = {"HCOMM_ACCUMULATE": "f32", "HCOMM_TRANSPORT": "tcp"} if mode == "accumulate-env" else None
+    out = run_job(n, [WORKERS / "deterministic.py", mode], env=env)
+    assert out.count("accumulate ok") == n
+
+
 @needs_torch
 def test_deterministic_ddp_parameters_do_not_depend_on_buckets_or_hosts():
     """The issue's acceptance check, scaled down: DDP with bucket caps 0.25, 1, 25 and 100 MiB,

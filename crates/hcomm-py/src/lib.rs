@@ -245,6 +245,34 @@ impl PyComm {
         py.detach(move || comm.set_deterministic(on));
     }
 
+    /// How f16/bf16 reductions accumulate (`HCOMM_ACCUMULATE`): "f32" (in f32, rounded once:
+    /// the canonical schedules) or "native" (rounded at every step). Every rank must set the
+    /// same value.
+    #[getter]
+    fn get_accumulate(&self) -> &'static str {
+        if self.comm.accumulates_f32() {
+            "f32"
+        } else {
+            "native"
+        }
+    }
+
+    #[setter]
+    fn set_accumulate(&self, py: Python<'_>, how: &str) -> PyResult<()> {
+        let on = match how {
+            "f32" => true,
+            "native" => false,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "accumulate = {other:?}: expected \"f32\" (f16 and bf16 accumulated in f32) or \"native\""
+                )))
+            }
+        };
+        let comm = self.comm.clone();
+        py.detach(move || comm.set_accumulate_f32(on));
+        Ok(())
+    }
+
     /// Abort: every operation in flight and every later one fails with AbortedError. Safe to
     /// call from any thread.
     fn abort(&self) {
