@@ -13,9 +13,12 @@ reduce_scatter (and ``reduce_scatter_tensor``), alltoall (and ``all_to_all_singl
 scatter, barrier, ``monitored_barrier``, send and recv on CPU tensors, with the reduce ops SUM,
 PRODUCT, MIN, MAX, AVG and PREMUL_SUM (hcomm's core reduces them) and BAND, BOR, BXOR (gathered
 and folded here), on hcomm's dtypes, ``torch.bool`` (as uint8) and complex (through its real
-view). Each process group bootstraps an hcomm communicator through the store torch hands it:
-rank 0 of the group starts hcomm's rendezvous on a free port of its own and publishes the
-address there, so the backend never competes with torch's store for ``MASTER_PORT``. The job token
+view). The default group bootstraps an hcomm communicator through the store torch hands it:
+rank 0 starts hcomm's rendezvous on a free port of its own and publishes the address there, so
+the backend never competes with torch's store for ``MASTER_PORT``. Groups made later
+(``new_group``, ``split_group``, DeviceMesh) are sub-communicators of that one
+(:meth:`hcomm.Communicator.new_group`): no new port, store key or rendezvous; only when the
+default group is not an hcomm one does such a group bootstrap its own. The job token
 (``HCOMM_JOB_TOKEN`` / ``HCOMM_TOKEN_FILE``, set by ``hcomm run``) authenticates hcomm's
 connections; without one (torchrun) rank 0 makes one and hands it over through the store.
 ``HCOMM_TIMEOUT`` (if set) or the group's timeout becomes hcomm's deadline.
@@ -696,9 +699,7 @@ class HcommBackend(_C10dBackend):
         timeout = getattr(opts, "_timeout", None) if opts is not None else None
         if not isinstance(timeout, datetime.timedelta):
             timeout = self._timeout
-        new = self.comm.new_group(members)
-        if not os.environ.get("HCOMM_TIMEOUT"):  # as _bootstrap: the variable wins
-            new.timeout = max(timeout.total_seconds(), 0.001)
+        new = _subgroup(self.comm, members, timeout)
         return HcommBackend(store, new.rank, new.world_size, timeout, comm=new)
 
     @property
@@ -1285,10 +1286,51 @@ compression_hook.__annotations__ = {
 }
 
 
-def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> HcommBackend:
-    return HcommBackend(store, rank, size, timeout)
+#: The default group's backend (the one torch made with no list of ranks), while it lives:
+#: the groups made later come from its communicator (see `_create`).
+_WORLD: "Optional[weakref.ref[HcommBackend]]" = None
+
+
+def _world_backend() -> Optional[HcommBackend]:
+    world = _WORLD() if _WORLD is not None else None
+    if world is None or id(world) not in _LIVE or world.comm.destroyed:
+        return None
+    return world
+
+
+def _create(opts: Any, backend_options: Any = None) -> HcommBackend:
+    """torch's creator (extended API). The default group bootstraps its communicator through
+    torch's store (`_bootstrap`). A group made later (``new_group``, DeviceMesh) is made by
+    :meth:`hcomm.Communicator.new_group` on the default group's communicator when that is an
+    hcomm one: through hcomm's own rendezvous store with the job's token, so no new port, no
+    store key and no second rendezvous; the global ranks are the default group's ranks."""
+    global _WORLD
+    store, rank, size, timeout = opts.store, int(opts.group_rank), int(opts.group_size), opts.timeout
+    ranks = [int(r) for r in (opts.global_ranks_in_group or [])]
+    if not ranks:
+        backend = HcommBackend(store, rank, size, timeout)
+        _WORLD = weakref.ref(backend)
+        return backend
+    world = _world_backend()
+    if world is None:
+        return HcommBackend(store, rank, size, timeout)
+    comm = _subgroup(world.comm, ranks, timeout)
+    if (comm.rank, comm.world_size) != (rank, size):
+        raise HcommError(
+            f"hcomm backend: new_group {ranks}: torch numbers this rank {rank} of {size}, hcomm {comm.rank} of {comm.world_size}"
+        )
+    return HcommBackend(store, rank, size, timeout, comm=comm)
+
+
+def _subgroup(parent: Communicator, ranks: List[int], timeout: Optional[datetime.timedelta]) -> Communicator:
+    """`parent.new_group(ranks)` with torch's timeout (unless ``HCOMM_TIMEOUT`` is set: the
+    variable wins, as in `_bootstrap`)."""
+    new = parent.new_group(ranks)
+    if isinstance(timeout, datetime.timedelta) and not os.environ.get("HCOMM_TIMEOUT"):
+        new.timeout = max(timeout.total_seconds(), 0.001)
+    return new
 
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
 _install_work_queries()

@@ -725,6 +725,31 @@ elif CASE == "entry_points":
     dist.monitored_barrier(group=sub, timeout=datetime.timedelta(seconds=10))
     ok("split_group gives an hcomm subgroup of the parent's communicator")
 
+    # new_group (and DeviceMesh's groups): a sub-communicator of the default group's, made
+    # through hcomm's rendezvous store; nothing published in the group's torch store
+    pair = [W - 1, 0]  # torch sorts the ranks: the group is [0, W-1]
+    grp = dist.new_group(ranks=pair)
+    if R in pair:
+        gb = grp._get_backend(torch.device("cpu"))
+        assert isinstance(gb, ht.HcommBackend), type(gb)
+        assert "/group[0," in gb.comm.name, gb.comm.name
+        assert not gb._store.check([ht._STORE_KEY]), "new_group bootstrapped a rendezvous of its own"
+        assert dist.get_rank(grp) == sorted(pair).index(R)
+        t = x(R, salt=5)
+        dist.all_reduce(t, group=grp)
+        eq("all_reduce on new_group", t, sum(x(r, salt=5) for r in set(pair)))
+        gathered = [torch.empty(12) for _ in set(pair)]
+        dist.all_gather(gathered, x(R), group=grp)
+        for got, r in zip(gathered, sorted(set(pair))):
+            eq(f"all_gather on new_group from rank {r}", got, x(r))
+    else:
+        assert grp == dist.GroupMember.NON_GROUP_MEMBER
+    world = dist.new_group()  # every rank: a second communicator of the whole world
+    t = x(R, salt=9)
+    dist.all_reduce(t, group=world)
+    eq("all_reduce on a second world group", t, sum(x(r, salt=9) for r in range(W)))
+    ok("new_group makes hcomm sub-communicators of the default group's (no new rendezvous)")
+
     # a timed-out collective: a DistBackendError (as gloo's) that names the timeout; get_error
     short = dist.new_group(timeout=datetime.timedelta(seconds=1))
     short_backend = short._get_backend(torch.device("cpu"))
