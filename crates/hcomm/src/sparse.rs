@@ -10,7 +10,10 @@
 //! the dense ring moves `2 (n - 1) / n` tables).
 //!
 //! The result is the same on every rank, bit for bit: every rank combines the same gathered
-//! rows in the same order (rank 0's rows first, each rank's rows in the order it gave them).
+//! rows in the same order, each rank's repeated rows first (in the order it gave them), then
+//! the ranks in rank order. That is the canonical expression of deterministic mode, so a row
+//! has bitwise the value the deterministic dense all-reduce of the ranks' tables gives it
+//! (`tests/deterministic.rs`), f16/bf16 aside (summed in their own precision here).
 //! Rows absent on a rank count as zero, so [`ReduceOp::Mean`] divides by the world size, as the
 //! dense mean of the same tensors would. Only `Sum` and `Mean` are defined (a max over rows that
 //! some ranks lack is not the dense max), as in Gloo.
@@ -186,7 +189,8 @@ impl Communicator {
         let counts: Vec<usize> = headers.chunks(4).map(|h| h[0] as usize).collect();
         let (all_indices, all_values) =
             self.gather_rows(indices, values, &counts, row_len, dtype)?;
-        let (out_indices, mut out) = coalesce(&all_indices, &all_values, row_bytes, dtype);
+        let (out_indices, mut out) =
+            sum_in_rank_order(&all_indices, &all_values, &counts, row_bytes, dtype);
         if op == ReduceOp::Mean {
             finalize_mean(dtype, &mut out, n);
         }
@@ -397,6 +401,41 @@ fn dtype_name(code: u64) -> String {
 
 /// Sum rows with equal indices, in the order given (the first occurrence is copied, later ones
 /// added to it); indices come back ascending.
+/// The gathered rows of every rank (`counts[r]` rows from rank `r`, in rank order) summed the
+/// way the dense all-reduce of deterministic mode sums the ranks' tables: each rank's repeats
+/// first (its own dense row, [`coalesce`]), then the ranks' rows in rank order,
+/// `((x0 + x1) + x2) + …`, ranks without the row adding nothing. Sorted by index.
+fn sum_in_rank_order(
+    indices: &[i64],
+    values: &[u8],
+    counts: &[usize],
+    row_bytes: usize,
+    dtype: DType,
+) -> (Vec<i64>, Vec<u8>) {
+    let mut per_rank = Vec::with_capacity(counts.len());
+    let mut start = 0;
+    for &c in counts {
+        let (idx, vals) = (
+            &indices[start..start + c],
+            &values[start * row_bytes..(start + c) * row_bytes],
+        );
+        per_rank.push(coalesce(idx, vals, row_bytes, dtype));
+        start += c;
+    }
+    let (idx, vals): (Vec<i64>, Vec<u8>) =
+        per_rank
+            .iter()
+            .fold((Vec::new(), Vec::new()), |(mut i, mut v), (ri, rv)| {
+                i.extend_from_slice(ri);
+                v.extend_from_slice(rv);
+                (i, v)
+            });
+    // Every index is now once per rank, in rank order: coalescing these folds the ranks.
+    coalesce(&idx, &vals, row_bytes, dtype)
+}
+
+/// Rows with the same index summed in the order given (the first copied, each later one
+/// added to it), sorted by index.
 fn coalesce(indices: &[i64], values: &[u8], row_bytes: usize, dtype: DType) -> (Vec<i64>, Vec<u8>) {
     let mut unique: Vec<i64> = indices.to_vec();
     unique.sort_unstable();
@@ -449,6 +488,23 @@ mod tests {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(v, vec![15.0, 26.0, 1000.0, 2000.0, 101.0, 202.0]);
+    }
+
+    #[test]
+    fn repeats_are_summed_per_rank_before_the_ranks_are() {
+        // rank 0: row 0 = 2^24 (where f32's step is 2); rank 1: row 0 twice, 1 and 1. Per
+        // rank, then in rank order: 2^24 + (1 + 1) = 2^24 + 2 exactly, as the dense sum of
+        // the ranks' tables; one flat fold of the rows gives (2^24 + 1) + 1, rounded to 2^24
+        // at each step.
+        let big = 16_777_216.0f32;
+        let idx = [0i64, 0, 0];
+        let vals = [big, 1.0, 1.0];
+        let (i, v) = sum_in_rank_order(&idx, bytemuck::cast_slice(&vals), &[1, 2], 4, DType::F32);
+        assert_eq!(i, vec![0]);
+        let got = f32::from_le_bytes(v[..4].try_into().unwrap());
+        assert_eq!(got, big + 2.0);
+        let (_, flat) = coalesce(&idx, bytemuck::cast_slice(&vals), 4, DType::F32);
+        assert_eq!(f32::from_le_bytes(flat[..4].try_into().unwrap()), big);
     }
 
     #[test]

@@ -393,3 +393,53 @@ fn ranks_that_disagree_on_accumulate_f32_fail_as_a_mismatch() {
         }
     }
 }
+
+#[test]
+fn sparse_all_reduce_gives_the_bits_of_the_deterministic_dense_one() {
+    // The sparse all-reduce sums the gathered rows in rank order (each rank's repeats in the
+    // order it gave them), so every row it returns is the canonical rank-order fold of the
+    // ranks' dense rows: bitwise what the deterministic dense all-reduce of the tables gives.
+    const ROWS: usize = 40;
+    const LEN: usize = 6;
+    for n in [2, 3, 4] {
+        for transport in [TransportKind::Auto, TransportKind::Tcp] {
+            expect_all(run_threads_configured(
+                n,
+                T,
+                |cfg| BootstrapConfig { transport, ..cfg },
+                |c| {
+                    let r = c.rank();
+                    // rank-dependent rows with repeats (rank 1 has none at 3 ranks and more)
+                    let idx: Vec<i64> = if r == 1 && n >= 3 {
+                        vec![]
+                    } else {
+                        (0..(9 + 4 * r))
+                            .map(|k| ((k * (r + 2) + 3 * r) % ROWS) as i64)
+                            .collect()
+                    };
+                    let vals = random(r, idx.len() * LEN, 41);
+                    let rows = c.sparse_all_reduce(&idx, &vals, LEN, ReduceOp::Sum)?;
+                    let mut table = vec![0f32; ROWS * LEN];
+                    for (k, &i) in idx.iter().enumerate() {
+                        for j in 0..LEN {
+                            table[i as usize * LEN + j] += vals[k * LEN + j];
+                        }
+                    }
+                    c.set_deterministic(true);
+                    c.all_reduce_in_place(&mut table, ReduceOp::Sum)?;
+                    assert!(!rows.indices.is_empty());
+                    for (k, &i) in rows.indices.iter().enumerate() {
+                        let want = &table[i as usize * LEN..][..LEN];
+                        let got = &rows.values[k * LEN..][..LEN];
+                        assert_eq!(
+                            bits(got),
+                            bits(want),
+                            "{n} ranks, {transport:?}, rank {r}: row {i}"
+                        );
+                    }
+                    Ok(())
+                },
+            ));
+        }
+    }
+}
