@@ -41,6 +41,7 @@ top-k, random-k, with error feedback)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import queue
@@ -48,7 +49,7 @@ import secrets
 import socket
 import threading
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ from . import _hcomm
 from ._core import Communicator, CompressionState, Work
 from .errors import HcommError, HcommTimeoutError, InvalidArgumentError, PeerError
 
-__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "MonitoredBarrierError"]
+__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "MonitoredBarrierError", "reductions"]
 
 #: The name to pass to ``init_process_group`` / ``new_group``.
 BACKEND_NAME = "hcomm"
@@ -1177,6 +1178,33 @@ def communicator_of(group: Any = None) -> Communicator:
     if not isinstance(backend, HcommBackend):
         raise InvalidArgumentError(f"the process group's CPU backend is {type(backend).__name__}, not hcomm")
     return backend.comm
+
+
+@contextlib.contextmanager
+def reductions(group: Any = None, *, deterministic: Optional[bool] = None, accumulate: Optional[str] = None) -> Iterator[Communicator]:
+    """Within the block, the reductions issued on `group` (default: the default group) run
+    with these settings, restored after it (torch's collectives take no extra arguments, so
+    this is the per-call form of :attr:`hcomm.Communicator.deterministic` and
+    :attr:`hcomm.Communicator.accumulate`)::
+
+        with hcomm.torch.reductions(deterministic=True):
+            dist.all_reduce(t)          # the rank-order fold, bitwise, whatever the size
+
+    The settings take effect in issue order, so asynchronous operations issued before the
+    block keep the old ones and those issued inside keep the new ones however late they
+    run. Every rank of the group must enter and leave the block at the same point. Yields
+    the group's communicator."""
+    comm = communicator_of(group)
+    before = (comm.deterministic, comm.accumulate)
+    if accumulate is not None:
+        comm.accumulate = accumulate  # checked first: a bad value changes nothing
+    if deterministic is not None:
+        comm.deterministic = bool(deterministic)
+    try:
+        yield comm
+    finally:
+        if not comm.destroyed:
+            comm.deterministic, comm.accumulate = before
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,3 +83,11 @@ def test_entry_points_split_group_and_errors(n):
     assert out.count("ok split_group gives an hcomm subgroup of the parent's communicator") == n
     assert out.count("ok new_group makes hcomm sub-communicators of the default group's (no new rendezvous)") == n
     assert out.count("ok a timed-out collective raises DistBackendError naming the timeout; get_error reports it") == n
+
+
+@needs_torch
+@pytest.mark.parametrize("n", RANKS)
+def test_reductions_context_sets_deterministic_and_accumulate(n):
+    out = run_job(n, [WORKER, "reductions"], timeout=120, env={"HCOMM_TRANSPORT": "tcp"})
+    assert out.count("ok reductions(deterministic=True) gives the rank-order fold bitwise") == n
+    assert out.count("ok reductions(accumulate='f32') rounds f16 sums once") == n

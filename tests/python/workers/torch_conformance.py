@@ -6,7 +6,7 @@ launcher that sets torch's variables:
     python -m hcomm run -n N python torch_conformance.py CASE
 
 CASE is one of is_completed, detail, reduce_ops, monitored_barrier, powersgd, future_error,
-fsdp, entry_points. Prints "ok <check>" lines and WORKER OK at the end.
+fsdp, entry_points, reductions. Prints "ok <check>" lines and WORKER OK at the end.
 """
 
 import datetime
@@ -774,6 +774,58 @@ elif CASE == "entry_points":
     assert backend.get_error() == ErrorType.SUCCESS  # a refused argument is no failure
     dist.barrier(group=gloo)
     ok("a timed-out collective raises DistBackendError naming the timeout; get_error reports it")
+
+# ----------------------------------------------------------------------------------------------
+elif CASE == "reductions":
+    # hcomm.torch.reductions: deterministic mode and f32 accumulation for the collectives
+    # issued inside the block (run over TCP by the test, where the default all-reduce of a
+    # large message is a ring, not the rank-order fold)
+    comm = ht.communicator_of()
+    assert not comm.deterministic and comm.accumulate == "native"
+
+    def inputs(count):
+        g = torch.Generator().manual_seed(count)
+        return [(torch.rand(count, generator=g) - 0.5) * 1000 for _ in range(W)]
+
+    def fold(xs):
+        acc = xs[0].clone()
+        for t in xs[1:]:
+            acc = acc + t
+        return acc
+
+    for count in (1000, 300_001):
+        xs = inputs(count)
+        with ht.reductions(deterministic=True) as c:
+            assert c is comm and comm.deterministic
+            t = xs[R].clone()
+            dist.all_reduce(t)
+            late = xs[R].clone()
+            work = dist.all_reduce(late, async_op=True)
+        assert not comm.deterministic  # restored; the work issued inside keeps the mode
+        work.wait()
+        want = fold(xs)
+        assert torch.equal(t, want), f"{count}: differs from the rank-order fold"
+        assert torch.equal(late, want), f"{count}: the async all_reduce issued in the block differs"
+    if W >= 3:
+        t = inputs(300_001)[R].clone()
+        dist.all_reduce(t)
+        assert not torch.equal(t, fold(inputs(300_001))), "the default ring happened to fold in rank order"
+    ok("reductions(deterministic=True) gives the rank-order fold bitwise, in issue order")
+
+    want = torch.tensor(2048.0 + (W - 1), dtype=torch.float32).to(torch.float16)
+    for count in (1, 7, 100_000):
+        with ht.reductions(accumulate="f32"):
+            h = torch.full((count,), 2048.0 if R == 0 else 1.0, dtype=torch.float16)
+            dist.all_reduce(h)
+        assert (h == want).all(), f"f16, {count}: {h[:4]} (want {want})"
+    assert comm.accumulate == "native"
+    try:
+        with ht.reductions(accumulate="f64", deterministic=True):
+            raise AssertionError("reductions(accumulate='f64') was taken")
+    except ValueError as e:
+        assert "f64" in str(e), e
+    assert not comm.deterministic and comm.accumulate == "native"
+    ok("reductions(accumulate='f32') rounds f16 sums once; a bad value changes nothing")
 
 else:
     raise SystemExit(f"unknown case {CASE}")
