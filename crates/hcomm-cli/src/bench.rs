@@ -508,7 +508,7 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         0.0
     };
     let algo = match op {
-        BenchOp::Coll(c) => comm.algorithm_for(c, shown).to_string(),
+        BenchOp::Coll(c) => comm.algorithm_for_dtype(c, shown, o.dtype).to_string(),
         BenchOp::SendRecv => "p2p".into(),
     };
     let transport = match op {
