@@ -633,6 +633,33 @@ class Communicator:
     def accumulate(self, how: str) -> None:
         self._c.accumulate = how
 
+    def trace_to(self, path: str) -> None:
+        """Write a Chrome / Perfetto trace (https://ui.perfetto.dev) of this communicator's
+        operations, and of the communicators made from it afterwards, to ``path``: a
+        directory (one ``hcomm-trace-rank{R}.json`` per rank) or a file name containing
+        ``{rank}``. ``HCOMM_TRACE=path`` does this when the communicator is created. One
+        slice per operation: algorithm, dtype, count, bytes, bytes on the wire, peers, queue
+        time, error. ``hcomm trace merge DIR -o trace.json`` joins the ranks' files."""
+        self._c.trace_to(os.fspath(path))
+
+    def stop_trace(self) -> None:
+        """Stop tracing this communicator (its file is closed once no communicator uses it)."""
+        self._c.stop_trace()
+
+    def flush_trace(self) -> None:
+        """Write the trace's buffered events now (they are written every 100 ms anyway)."""
+        self._c.flush_trace()
+
+    @property
+    def trace_file(self) -> Optional[str]:
+        """The file this communicator's trace goes to, or ``None`` when it does not trace."""
+        return self._c.trace_file
+
+    def set_trace_label(self, label: Optional[str]) -> None:
+        """Attach ``label`` to every operation issued from now on (``args.label`` of its
+        trace slice), or none with ``None``: e.g. the DDP bucket or the training step."""
+        self._c.set_trace_label(label)
+
     def abort(self) -> None:
         """Abort: every operation in flight and every later one fails with
         :class:`AbortedError`. Safe from any thread."""

@@ -60,7 +60,7 @@ from . import _hcomm
 from ._core import Communicator, CompressionState, Work
 from .errors import HcommError, HcommTimeoutError, InvalidArgumentError, PeerError
 
-__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "MonitoredBarrierError", "reductions"]
+__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "bucket_trace_hook", "MonitoredBarrierError", "reductions"]
 
 #: The name to pass to ``init_process_group`` / ``new_group``.
 BACKEND_NAME = "hcomm"
@@ -1129,6 +1129,10 @@ class HcommBackend(_C10dBackend):
 
     def shutdown(self) -> None:
         _LIVE.pop(id(self), None)
+        if not self.comm.destroyed:
+            # torch may keep the backend (and so the communicator) alive after
+            # destroy_process_group: write what the trace holds now.
+            self.comm.flush_trace()
 
     # -- sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL checks them across the ranks) -------
 
@@ -1294,7 +1298,8 @@ def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.
         work = comm.all_reduce_async(buf, op="mean")
     else:
         st = state.state_for(bucket.index(), buf.numel())
-        work = comm.all_reduce_compressed_async(buf, state=st, op="mean")
+        with _bucket_label(comm, bucket):
+            work = comm.all_reduce_compressed_async(buf, state=st, op="mean")
     base, fut = _outcome_future()
 
     def finish() -> torch.Tensor:
@@ -1303,6 +1308,41 @@ def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.
 
     state._waiter.put(finish, base)
     return fut
+
+
+@contextlib.contextmanager
+def _bucket_label(comm: Communicator, bucket: Any) -> Iterator[None]:
+    """The operations issued in the block are labelled with the DDP bucket in the trace
+    (only while the communicator traces: no cost otherwise)."""
+    if comm.trace_file is None:
+        yield
+        return
+    comm.set_trace_label(f"ddp bucket {bucket.index()}")
+    try:
+        yield
+    finally:
+        comm.set_trace_label(None)
+
+
+def bucket_trace_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+    """A DDP communication hook (``ddp.register_comm_hook(None, bucket_trace_hook)``) with
+    the result of DDP's own (torch's ``allreduce_hook``: each bucket averaged over the ranks,
+    the same bits) whose all-reduce is labelled ``ddp bucket N`` in the trace
+    (``HCOMM_TRACE``, :meth:`hcomm.Communicator.trace_to`), so a timeline shows which bucket
+    each slice carries. DDP's reducer calls the backend without the bucket's index, so
+    without a hook the slices carry no label; :func:`compression_hook` labels its buckets
+    too."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with _bucket_label(communicator_of(process_group), bucket):
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+
+bucket_trace_hook.__annotations__ = {
+    "process_group": dist.ProcessGroup,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 # DDP checks a hook's annotations as objects (this module's are strings: `from __future__

@@ -274,3 +274,10 @@ def test_fusion_finish_reports_each_bucket_as_it_arrives(comm):
     assert len(calls) == 1
     f.push(ts[0])
     assert f.finish() == 1  # the fusion goes on with a fresh step
+
+
+@needs_torch
+def test_ddp_trace_labels_buckets_and_closes_the_file(tmp_path):
+    out = run_job(2, [WORKERS / "ddp_trace.py"], timeout=120, env={"HCOMM_TRACE": str(tmp_path / "trace")})
+    assert "ok ddp trace" in out
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["hcomm-trace-rank0.json", "hcomm-trace-rank1.json"]

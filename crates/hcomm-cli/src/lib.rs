@@ -9,6 +9,7 @@ pub mod doctor;
 pub mod fusion_bench;
 pub mod plot;
 pub mod simulate;
+pub mod trace_tool;
 pub mod workers;
 
 /// The launcher, which lives in `hcomm-launch` (shared with the Python extension); kept here

@@ -35,9 +35,61 @@ enum Cmd {
     Simulate(SimulateArgs),
     /// Diagnose configuration and connectivity (config, master port, interfaces, /dev/shm, fd limit, all-pairs latency/bandwidth).
     Doctor(DoctorArgs),
+    /// Join the ranks' HCOMM_TRACE files into one Chrome / Perfetto trace, or sum where the time went.
+    #[command(subcommand)]
+    Trace(TraceCmd),
     /// A busy process for `bench --noise` (spins until its parent exits).
     #[command(hide = true)]
     Spin,
+}
+
+#[derive(Subcommand)]
+enum TraceCmd {
+    /// Write the events of every rank's file into one trace (open it in https://ui.perfetto.dev).
+    Merge {
+        /// HCOMM_TRACE directories (their hcomm-trace-rank*.json) or trace files.
+        #[arg(required = true)]
+        inputs: Vec<std::path::PathBuf>,
+        /// The merged trace.
+        #[arg(short, long)]
+        output: std::path::PathBuf,
+    },
+    /// Print, per rank, communicator and operation: calls, run and queue time, wire bytes, errors.
+    Summary {
+        /// HCOMM_TRACE directories (their hcomm-trace-rank*.json) or trace files.
+        #[arg(required = true)]
+        inputs: Vec<std::path::PathBuf>,
+    },
+}
+
+fn cmd_trace(cmd: TraceCmd) -> ExitCode {
+    use hcomm_cli::trace_tool::{merge, summary_table, trace_files};
+    let inputs = match &cmd {
+        TraceCmd::Merge { inputs, .. } | TraceCmd::Summary { inputs } => inputs,
+    };
+    let events = match trace_files(inputs).and_then(|f| merge(&f)) {
+        Ok(e) => e,
+        Err(e) => {
+            hcomm_cli::say!("hcomm trace: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match cmd {
+        TraceCmd::Merge { output, .. } => {
+            let text = serde_json::to_string(&events).expect("serialisable");
+            if let Err(e) = std::fs::write(&output, text) {
+                hcomm_cli::say!("hcomm trace merge: cannot write {}: {e}", output.display());
+                return ExitCode::from(1);
+            }
+            println!(
+                "hcomm trace merge: {} events into {}",
+                events.len(),
+                output.display()
+            );
+        }
+        TraceCmd::Summary { .. } => print!("{}", summary_table(&events)),
+    }
+    ExitCode::SUCCESS
 }
 
 #[derive(Args)]
@@ -1066,6 +1118,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Simulate(a) => cmd_simulate(a),
         Cmd::Doctor(a) => cmd_doctor(a),
+        Cmd::Trace(c) => cmd_trace(c),
         Cmd::Spin => hcomm_cli::workers::spin_until_orphaned(),
     }
 }

@@ -806,3 +806,67 @@ fn simulate_calibrates_on_bench_rows() {
     assert_eq!(code, Some(2));
     assert!(err.contains("--algo ring"), "{err}");
 }
+
+#[test]
+fn hcomm_trace_writes_one_file_per_rank_that_merge_and_summary_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let traces = dir.path().join("traces");
+    let t = traces.to_str().unwrap().to_string();
+    let (code, out, err) = hcomm_env(
+        &[
+            "bench",
+            "allreduce",
+            "-np",
+            "2",
+            "-b",
+            "8",
+            "-e",
+            "1K",
+            "-f",
+            "128",
+            "-n",
+            "3",
+            "-w",
+            "1",
+        ],
+        &[("HCOMM_TRACE", t.clone())],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let (code, out, err) = hcomm(&["trace", "summary", &t], Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{err}");
+    for rank in ["0", "1"] {
+        let row = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(rank) && l.contains("all_reduce"))
+            .unwrap_or_else(|| panic!("no all_reduce row of rank {rank}: {out}"));
+        // Warm-up, timed calls and the check of two sizes: at least 2 × (1 + 3) calls.
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        let op = cells.iter().position(|c| *c == "all_reduce").unwrap();
+        let calls: u64 = cells[op + 1].parse().unwrap();
+        assert!(calls >= 8, "{row}");
+    }
+    let merged = dir.path().join("merged.json");
+    let (code, _, err) = hcomm(
+        &["trace", "merge", &t, "-o", merged.to_str().unwrap()],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&merged).unwrap()).unwrap();
+    let pids: std::collections::BTreeSet<u64> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| e["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids.into_iter().collect::<Vec<_>>(), [0, 1]);
+    // A folder without traces is an error that says what was expected.
+    let (code, _, err) = hcomm(
+        &["trace", "summary", dir.path().to_str().unwrap()],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, Some(2));
+    assert!(err.contains("hcomm-trace-rank"), "{err}");
+}

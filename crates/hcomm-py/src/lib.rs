@@ -245,6 +245,42 @@ impl PyComm {
         py.detach(move || comm.set_deterministic(on));
     }
 
+    /// Write a Chrome / Perfetto trace of this communicator's operations (and of those made
+    /// from it afterwards) to `path`: a directory (`hcomm-trace-rank{R}.json` in it) or a
+    /// file name with `{rank}` in it (`HCOMM_TRACE` does this at creation).
+    fn trace_to(&self, py: Python<'_>, path: &str) -> PyResult<()> {
+        let comm = self.comm.clone();
+        let path = path.to_string();
+        py.detach(move || comm.trace_to(&path))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Stop tracing this communicator.
+    fn stop_trace(&self, py: Python<'_>) {
+        let comm = self.comm.clone();
+        py.detach(move || comm.stop_trace());
+    }
+
+    /// Write the trace's buffered events now.
+    fn flush_trace(&self) {
+        self.comm.flush_trace();
+    }
+
+    /// The file this communicator's trace goes to, or None.
+    #[getter]
+    fn trace_file(&self) -> Option<String> {
+        self.comm
+            .trace_file()
+            .map(|p| p.to_string_lossy().into_owned())
+    }
+
+    /// Attach `label` to every operation issued from now on (its trace slice's
+    /// `args.label`), or none.
+    #[pyo3(signature = (label))]
+    fn set_trace_label(&self, label: Option<&str>) {
+        self.comm.set_trace_label(label);
+    }
+
     /// How f16/bf16 reductions accumulate (`HCOMM_ACCUMULATE`): "f32" (in f32, rounded once:
     /// the canonical schedules) or "native" (rounded at every step). Every rank must set the
     /// same value.

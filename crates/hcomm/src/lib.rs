@@ -41,6 +41,7 @@ mod lent;
 pub mod shm;
 pub mod sparse;
 pub mod testing;
+pub mod trace;
 pub mod transport;
 pub mod wait;
 pub mod wire;

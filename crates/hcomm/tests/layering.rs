@@ -19,6 +19,7 @@ const FLOORS: &[(&str, u8)] = &[
     ("auth", 1),
     ("config", 2),
     ("history", 2),
+    ("trace", 2),
     ("engine", 2),
     ("wait", 2),
     ("lent", 2),

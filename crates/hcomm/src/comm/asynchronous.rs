@@ -50,8 +50,10 @@ impl Communicator {
         let slot = Slot::new();
         let done = slot.clone();
         let comm = self.clone();
+        let issue = self.traces().then(|| self.trace_issue());
         let job = Box::new(move || {
-            let r = std::panic::catch_unwind(AssertUnwindSafe(|| f(&comm))).unwrap_or_else(|p| {
+            let run = AssertUnwindSafe(|| crate::trace::issued_as(issue, || f(&comm)));
+            let r = std::panic::catch_unwind(run).unwrap_or_else(|p| {
                 Err(Error::Panicked {
                     op,
                     msg: panic_message(&*p),

@@ -18,6 +18,7 @@ use crate::comm::traffic::TrafficTable;
 use crate::config::{BootstrapConfig, TransportKind, Tuning};
 use crate::engine::Engine;
 use crate::history::History;
+use crate::trace::Tracer;
 use crate::transport::tcp::TcpLinks;
 use crate::wait::WaitPolicy;
 use std::collections::{HashMap, HashSet};
@@ -102,6 +103,7 @@ impl Communicator {
             host_id,
             timeout: cfg.timeout,
             local_size_hint: cfg.local_world_size,
+            tracer: open_trace(&tuning, cfg.rank)?,
             tuning,
             transport: cfg.transport,
             token,
@@ -135,6 +137,7 @@ impl Communicator {
             transport,
             token,
             nsocks,
+            tracer,
         } = a;
         if !(1..=BootstrapConfig::MAX_NSOCKS).contains(&nsocks) {
             return Err(Error::Config(format!(
@@ -249,6 +252,8 @@ impl Communicator {
             mark_built(&mut store, &comm_id, size)?;
         }
         drop(store);
+        let trace = tracer.map(|t| t.track(&track_name(&comm_id, rank, size)));
+        let tracing = AtomicBool::new(trace.is_some());
         Ok(Communicator {
             rank,
             size,
@@ -280,7 +285,11 @@ impl Communicator {
                 history: History::new(rank),
                 shm,
                 traffic: TrafficTable::default(),
+                trace,
+                span: None,
             }),
+            tracing,
+            trace_label: Mutex::new(None),
             _server: server,
             transport,
             nsocks,
@@ -321,4 +330,25 @@ pub(super) struct BuildArgs {
     pub(super) transport: TransportKind,
     pub(super) token: Option<JobToken>,
     pub(super) nsocks: usize,
+    /// The trace this communicator writes to (its parent's, or the one `HCOMM_TRACE` opened).
+    pub(super) tracer: Option<Arc<Tracer>>,
+}
+
+/// The trace `HCOMM_TRACE` names for `rank` (of a communicator that is not derived from
+/// another), opened; the error names the variable and the file.
+pub(super) fn open_trace(tuning: &Tuning, rank: usize) -> Result<Option<Arc<Tracer>>> {
+    let Some(setting) = &tuning.trace else {
+        return Ok(None);
+    };
+    Tracer::open(setting, rank).map(Some).map_err(|e| {
+        Error::Config(format!(
+            "HCOMM_TRACE={setting}: cannot create {}: {e}",
+            crate::trace::trace_file(setting, rank).display()
+        ))
+    })
+}
+
+/// The name of a communicator's track in a trace.
+pub(super) fn track_name(comm_id: &str, rank: usize, size: usize) -> String {
+    format!("{comm_id} (rank {rank} of {size})")
 }

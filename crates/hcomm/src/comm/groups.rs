@@ -131,15 +131,7 @@ impl Communicator {
             inner.links.listen_ip()
         };
         // The parent's knobs, with the algorithms it forces now.
-        let mut tuning = self.tuning.clone();
-        tuning.deterministic = self.is_deterministic();
-        tuning.accumulate_f32 = self.accumulates_f32();
-        tuning.algo = self
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .algo
-            .clone();
+        let tuning = self.inherited_tuning();
         let mut c = Self::build(BuildArgs {
             comm_id,
             rank,
@@ -155,6 +147,7 @@ impl Communicator {
             transport: self.transport,
             token: self.token.clone(),
             nsocks: self.nsocks,
+            tracer: self.tracer(),
         })?;
         c.thresholds = self.thresholds;
         Ok(c)

@@ -11,7 +11,7 @@
 //!
 //! It may use the communicator's collectives, the bootstrap store and [`super::build`].
 
-use super::build::BuildArgs;
+use super::build::{open_trace, BuildArgs};
 use super::join::store_connect_error;
 use super::Communicator;
 use crate::base::dtype::DType;
@@ -98,15 +98,7 @@ impl Communicator {
                 .set(INFO_KEY, &serde_json::to_vec(&info).expect("serialisable"))
                 .map_err(|e| store_connect_error("", e))?;
         }
-        let mut tuning = self.tuning.clone();
-        tuning.deterministic = self.is_deterministic();
-        tuning.accumulate_f32 = self.accumulates_f32();
-        tuning.algo = self
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .algo
-            .clone();
+        let tuning = self.inherited_tuning();
         let mut c = Self::build(BuildArgs {
             comm_id,
             rank: self.rank,
@@ -122,6 +114,7 @@ impl Communicator {
             transport: self.transport,
             token: self.token.clone(),
             nsocks: self.nsocks,
+            tracer: self.tracer(),
         })?;
         c.thresholds = self.thresholds;
         tracing::info!(
@@ -182,6 +175,7 @@ impl Communicator {
             host_id,
             timeout,
             local_size_hint: None,
+            tracer: open_trace(&tuning, rank)?,
             tuning,
             transport: cfg.transport,
             token,

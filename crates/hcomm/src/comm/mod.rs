@@ -55,6 +55,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::comm::traffic::{current_label, Counters, OpTraffic, TrafficTable};
 use crate::engine::{Engine, TurnGuard};
 use crate::history::{History, OpRecord};
+use crate::trace::{Span, Tracer, Track, Wire};
 use std::time::{Duration, Instant};
 
 /// One collective call as the communicator runs it: the algorithms' [`Run`] over the links,
@@ -131,9 +132,34 @@ pub(crate) struct Inner {
     shm: Option<crate::shm::ShmGroup>,
     /// Bytes moved per operation kind (see [`Communicator::traffic`]).
     traffic: TrafficTable,
+    /// This communicator's track in the rank's trace (`HCOMM_TRACE`, [`Communicator::trace_to`]).
+    trace: Option<Track>,
+    /// The operation in progress, while tracing.
+    span: Option<Span>,
 }
 
 impl Inner {
+    /// Write the finished operation `span` to the trace, with the bytes it moved.
+    fn record_span(&mut self, span: &Span, moved: Counters) {
+        let Some(track) = &self.trace else {
+            return;
+        };
+        let mut peers = self.links.take_touched();
+        if span.algo == Some(Algo::Shm.name()) {
+            // Every rank of the segment reads what this one wrote.
+            let (rank, size) = self.links.rank_and_size();
+            peers = (0..size).filter(|&r| r != rank).collect();
+        }
+        let wire = Wire {
+            tcp_sent: moved.tcp_sent,
+            tcp_received: moved.tcp_received,
+            shm_written: moved.shm_written,
+            shm_read: moved.shm_read,
+            peers,
+        };
+        track.record(span, &wire, Instant::now());
+    }
+
     /// The transports' byte counters now.
     fn counters(&self) -> Counters {
         let (tcp_sent, tcp_received) = self.links.bytes_moved();
@@ -199,6 +225,11 @@ pub struct Communicator {
     tuning: Tuning,
     /// Reductions in the canonical order ([`Communicator::set_deterministic`]).
     deterministic: AtomicBool,
+    /// `Inner::trace` is set: operations record spans (read before the turn, without the lock).
+    tracing: AtomicBool,
+    /// Attached to every operation issued while it is set ([`Communicator::set_trace_label`];
+    /// its own lock: read when an operation is issued, before its turn).
+    trace_label: Mutex<Option<String>>,
     /// f16 and bf16 reductions accumulated in f32 ([`Communicator::set_accumulate_f32`]).
     accumulate_f32: AtomicBool,
     /// The job token every connection proves (inherited by sub-communicators).
@@ -233,13 +264,17 @@ impl Drop for OpGuard<'_> {
             self.inner.poisoned =
                 Some("an operation panicked while it held the communicator".into());
         }
+        let mut moved = Counters::default();
         if let Some((op, start)) = self.traffic.take() {
-            let moved = self.inner.counters().since(start);
+            moved = self.inner.counters().since(start);
             match current_label() {
                 // Part of a compound operation, which counts the call itself.
                 Some(label) => self.inner.traffic.add(label, 0, moved),
                 None => self.inner.traffic.add(op, 1, moved),
             }
+        }
+        if let Some(span) = self.inner.span.take() {
+            self.inner.record_span(&span, moved);
         }
     }
 }
@@ -603,6 +638,18 @@ impl Communicator {
         }
     }
 
+    /// Trace the compound operation `op` that began at `started` and ends now (its parts are
+    /// traced on their own, with `part_of` naming it).
+    pub(crate) fn trace_compound(&self, op: &'static str, started: Instant) {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(track) = &inner.trace {
+            let mut span = Span::new(op, inner.seq, started, started);
+            span.compound = true;
+            span.label = self.trace_label();
+            track.record(&span, &Wire::default(), Instant::now());
+        }
+    }
+
     /// Count one call of the compound operation `op` (its bytes are counted by its parts).
     pub(crate) fn count_call(&self, op: &'static str) {
         self.inner
@@ -628,12 +675,110 @@ impl Communicator {
             .open_links()
     }
 
+    /// Write a Chrome / Perfetto trace of this communicator's operations, and of the
+    /// communicators made from it afterwards, to `path` (a directory, or a file name with
+    /// `{rank}` in it: see [`crate::trace`]); replaces the trace this communicator wrote to
+    /// before (`HCOMM_TRACE`'s, for the world), which is closed once no communicator uses it.
+    pub fn trace_to(&self, path: &str) -> Result<()> {
+        let tracer = Tracer::open(path, self.rank).map_err(|e| {
+            Error::Config(format!(
+                "trace: cannot create {}: {e}",
+                crate::trace::trace_file(path, self.rank).display()
+            ))
+        })?;
+        self.set_tracer(Some(tracer));
+        Ok(())
+    }
+
+    /// Stop tracing this communicator (its trace file is closed once no communicator uses
+    /// it; communicators made from it keep theirs).
+    pub fn stop_trace(&self) {
+        self.set_tracer(None);
+    }
+
+    fn set_tracer(&self, tracer: Option<Arc<Tracer>>) {
+        let _turn = self.engine.turns.enter();
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.trace =
+            tracer.map(|t| t.track(&build::track_name(&self.comm_id, self.rank, self.size)));
+        self.tracing.store(inner.trace.is_some(), Ordering::Relaxed);
+    }
+
+    /// True while this communicator traces its operations.
+    pub fn traces(&self) -> bool {
+        self.tracing.load(Ordering::Relaxed)
+    }
+
+    /// The file this communicator's trace goes to, if it traces.
+    pub fn trace_file(&self) -> Option<std::path::PathBuf> {
+        self.tracer().map(|t| t.path().to_path_buf())
+    }
+
+    /// Write the trace's buffered events now (they are written at least every
+    /// [`FLUSH_EVERY`](crate::trace::FLUSH_EVERY) anyway, and when the last communicator
+    /// using the file is dropped).
+    pub fn flush_trace(&self) {
+        if let Some(t) = self.tracer() {
+            t.flush();
+        }
+    }
+
+    /// Attach `label` to every operation traced from now on (`args.label` of its slice), or
+    /// none; the torch backend labels DDP's buckets this way. Nothing without a trace.
+    pub fn set_trace_label(&self, label: Option<&str>) {
+        *self.trace_label.lock().unwrap_or_else(|p| p.into_inner()) = label.map(str::to_owned);
+    }
+
+    fn trace_label(&self) -> Option<String> {
+        self.trace_label
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// An operation issued now: the time and the label set now (an asynchronous one runs
+    /// later, when the label may have changed).
+    pub(crate) fn trace_issue(&self) -> crate::trace::Issue {
+        crate::trace::Issue {
+            at: Instant::now(),
+            label: self.trace_label(),
+        }
+    }
+
+    /// The trace this communicator writes to (its sub-communicators write to it too).
+    pub(crate) fn tracer(&self) -> Option<Arc<Tracer>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .trace
+            .as_ref()
+            .map(|t| t.tracer().clone())
+    }
+
+    /// The knobs a communicator made from this one starts with: this one's, with the settings
+    /// changed since it was built (deterministic mode, accumulation, forced algorithms).
+    pub(crate) fn inherited_tuning(&self) -> Tuning {
+        let mut tuning = self.tuning.clone();
+        tuning.deterministic = self.is_deterministic();
+        tuning.accumulate_f32 = self.accumulates_f32();
+        tuning.algo = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .algo
+            .clone();
+        tuning
+    }
+
     // ----- plumbing shared by every operation -----
 
     /// Start an operation: wait for its turn (operations run in the order they were issued,
     /// see [`crate::engine`]), then take the communicator's state. Fails at once when the
     /// communicator was aborted or poisoned.
     pub(crate) fn lock(&self, op: &'static str) -> Result<(OpGuard<'_>, OpContext)> {
+        let issue = self
+            .traces()
+            .then(|| crate::trace::take_issue().unwrap_or_else(|| self.trace_issue()));
         let turn = self.engine.turns.enter();
         let mut inner = OpGuard {
             inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()),
@@ -642,6 +787,20 @@ impl Communicator {
         };
         let ctx = OpContext { op, seq: inner.seq };
         inner.history.begin(&ctx);
+        if inner.trace.is_some() {
+            let now = Instant::now();
+            let (issued, label) = match issue {
+                Some(i) => (i.at, i.label),
+                // Tracing began while this call waited for its turn.
+                None => (now, self.trace_label()),
+            };
+            let mut span = Span::new(op, ctx.seq, issued, now);
+            span.part_of = current_label();
+            span.label = label;
+            // Peers touched by operations that ran before tracing began are not this one's.
+            inner.links.take_touched();
+            inner.span = Some(span);
+        }
         if self.aborted.load(Ordering::SeqCst) {
             // Fails like an abort seen in flight: the first time, the peers are told (a rank
             // waiting on this one fails now, not at its deadline) and the call is recorded.
@@ -653,10 +812,14 @@ impl Communicator {
             return Err(r.expect_err("an abort is an error"));
         }
         if let Some(first) = &inner.poisoned {
-            return Err(Error::Poisoned {
+            let e = Error::Poisoned {
                 ctx,
                 first: first.clone(),
-            });
+            };
+            if let Some(span) = inner.span.as_mut() {
+                span.error = Some(e.to_string());
+            }
+            return Err(e);
         }
         inner.traffic = Some((op, inner.counters()));
         Ok((inner, ctx))
@@ -707,6 +870,9 @@ impl Communicator {
         };
         if let Some(report) = inner.history.end(r.as_ref().map(|_| ())) {
             tracing::error!("{report}");
+        }
+        if let (Some(span), Err(e)) = (inner.span.as_mut(), &r) {
+            span.error = Some(e.to_string());
         }
         let mut blamed = None;
         if let Err(e) = &r {
@@ -843,6 +1009,14 @@ impl Communicator {
         let (mut inner, ctx) = self.lock(coll.name())?;
         let canonical = self.canonical_for(dtype);
         let algo = self.choose(&mut inner, coll, bytes, canonical);
+        if let Some(span) = inner.span.as_mut() {
+            span.algo = Some(algo.name());
+            span.dtype = dtype.map(DType::name);
+            span.reduce = op.map(ReduceOp::name);
+            span.count = Some(count);
+            span.bytes = Some(bytes);
+            span.root = root;
+        }
         let fp = Header {
             algo: algo.code(),
             ..crate::wire::collective::fingerprint(ctx.seq, coll, dtype, op, root, count)

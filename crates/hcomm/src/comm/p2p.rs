@@ -83,6 +83,13 @@ impl Communicator {
             return r;
         }
         let (mut inner, ctx) = self.lock(op)?;
+        if let Some(span) = inner.span.as_mut() {
+            let sent = send.as_ref().map(|(p, t, d)| (*p, *t, d.len()));
+            let received = recv.as_ref().map(|(p, t, d)| (*p, *t, d.len()));
+            if let Some((peer, tag, bytes)) = sent.or(received) {
+                (span.peer, span.tag, span.bytes) = (Some(peer), Some(tag), Some(bytes));
+            }
+        }
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
         let deadline = inner.history.deadline(timeout);
@@ -117,6 +124,9 @@ impl Communicator {
     fn control_send(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
         self.check_peer(op, peer)?;
         let (mut inner, ctx) = self.lock(op)?;
+        if let Some(span) = inner.span.as_mut() {
+            (span.peer, span.tag) = (Some(peer), Some(tag));
+        }
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
         let deadline = inner.history.deadline(timeout);
@@ -128,6 +138,9 @@ impl Communicator {
     fn control_recv(&self, op: &'static str, peer: usize, kind: Kind, tag: u32) -> Result<()> {
         self.check_peer(op, peer)?;
         let (mut inner, ctx) = self.lock(op)?;
+        if let Some(span) = inner.span.as_mut() {
+            (span.peer, span.tag) = (Some(peer), Some(tag));
+        }
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
         let deadline = inner.history.deadline(timeout);

@@ -164,15 +164,7 @@ impl Communicator {
                 );
             }
             let list: Vec<String> = survivors.iter().map(|r| r.to_string()).collect();
-            let mut tuning = self.tuning.clone();
-            tuning.deterministic = self.is_deterministic();
-            tuning.accumulate_f32 = self.accumulates_f32();
-            tuning.algo = self
-                .inner
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .algo
-                .clone();
+            let tuning = self.inherited_tuning();
             let built = Self::build(BuildArgs {
                 // The same on every rank that has this decision, and no other's: the
                 // coordinator's store is new for each decision it makes.
@@ -190,6 +182,7 @@ impl Communicator {
                 transport: self.transport,
                 token: self.token.clone(),
                 nsocks: self.nsocks,
+                tracer: self.tracer(),
             });
             match built {
                 Ok(mut c) => {

@@ -133,6 +133,8 @@ pub(crate) fn current_label() -> Option<&'static str> {
 pub(crate) struct TrafficScope<'a> {
     comm: &'a Communicator,
     label: Option<&'static str>,
+    /// When the outermost scope began, while tracing: the compound operation's slice.
+    started: Option<std::time::Instant>,
 }
 
 impl<'a> TrafficScope<'a> {
@@ -148,6 +150,7 @@ impl<'a> TrafficScope<'a> {
         TrafficScope {
             comm,
             label: outermost.then_some(label),
+            started: (outermost && comm.traces()).then(std::time::Instant::now),
         }
     }
 }
@@ -157,6 +160,9 @@ impl Drop for TrafficScope<'_> {
         if let Some(label) = self.label {
             LABEL.with(|l| l.set(None));
             self.comm.count_call(label);
+            if let Some(started) = self.started {
+                self.comm.trace_compound(label, started);
+            }
         }
     }
 }

@@ -145,8 +145,16 @@ pub const ACCUMULATE: Knob = Knob {
     doc: "`f32`: f16 and bf16 sums, products and means are accumulated in f32 and rounded once",
 };
 
+/// `HCOMM_TRACE`.
+pub const TRACE: Knob = Knob {
+    var: "HCOMM_TRACE",
+    accepts: Accepts::Text,
+    default: KnobDefault::Described("unset (no trace)"),
+    doc: "Write a Chrome / Perfetto trace of every operation: a directory (one `hcomm-trace-rank{R}.json` per rank) or a file name containing `{rank}`",
+};
+
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 8] = [
+pub const KNOBS: [&Knob; 9] = [
     &SPIN_US,
     &SHM_CHUNK,
     &SHM_P2P_BYTES,
@@ -155,6 +163,7 @@ pub const KNOBS: [&Knob; 8] = [
     &FAULT_INJECT,
     &DETERMINISTIC,
     &ACCUMULATE,
+    &TRACE,
 ];
 
 /// The knob read from `var`, if it is one.
@@ -279,6 +288,8 @@ pub struct Tuning {
     /// canonical schedules, which accumulate in f32 and round once (as deterministic mode
     /// does, for these two dtypes only).
     pub accumulate_f32: bool,
+    /// `HCOMM_TRACE`: where the world communicator writes its trace ([`crate::trace`]).
+    pub trace: Option<String>,
 }
 
 impl Default for Tuning {
@@ -293,6 +304,7 @@ impl Default for Tuning {
             die_in_shrink_setup: false,
             deterministic: false,
             accumulate_f32: false,
+            trace: None,
         }
     }
 }
@@ -366,6 +378,7 @@ impl Tuning {
             die_in_shrink_setup,
             deterministic,
             accumulate_f32,
+            trace: vars.get(TRACE.var),
         })
     }
 }

@@ -143,6 +143,9 @@ pub struct TcpLinks {
     sent: [u64; 2],
     /// Bytes of frames (headers and payload) taken from the links, ever: `[tcp, shm]`.
     received: [u64; 2],
+    /// Peers an exchange was posted with since [`take_touched`](Self::take_touched) (for
+    /// traces; one store per send / receive posted).
+    touched: Vec<bool>,
 }
 
 /// A communicator's abort flag and which rank revoked it, if one did. The acceptor thread sets
@@ -284,6 +287,7 @@ impl TcpLinks {
             wake_on_stash: false,
             sent: [0; 2],
             received: [0; 2],
+            touched: vec![false; n],
         })
     }
 
@@ -301,6 +305,22 @@ impl TcpLinks {
     /// and a 1-byte adoption answer per link, once) do not count.
     pub fn bytes_moved(&self) -> (u64, u64) {
         (self.sent[0], self.received[0])
+    }
+
+    /// This rank and the number of ranks the links join.
+    pub fn rank_and_size(&self) -> (usize, usize) {
+        (self.rank, self.n)
+    }
+
+    /// The peers exchanges were posted with since the last call (ascending), and forget them.
+    pub fn take_touched(&mut self) -> Vec<usize> {
+        let mut peers = Vec::new();
+        for (p, t) in self.touched.iter_mut().enumerate() {
+            if std::mem::take(t) {
+                peers.push(p);
+            }
+        }
+        peers
     }
 
     /// Like [`bytes_moved`](Self::bytes_moved), for the shared-memory pipes: bytes copied into
@@ -497,6 +517,9 @@ impl TcpLinks {
         any: bool,
     ) -> Result<()> {
         for s in sends.iter_mut() {
+            if let Some(t) = self.touched.get_mut(s.peer) {
+                *t = true;
+            }
             if s.parts.is_empty() {
                 s.link = self.route(s.peer, s.hdr.kind != Kind::Collective);
             }
@@ -504,6 +527,9 @@ impl TcpLinks {
             self.ensure_link(ctx, s.link, deadline)?;
         }
         for r in recvs.iter_mut() {
+            if let Some(t) = self.touched.get_mut(r.peer) {
+                *t = true;
+            }
             if r.parts.is_empty() {
                 r.link = self.route(r.peer, !matches!(r.expect, Expect::Coll(_)));
             }

@@ -1,0 +1,229 @@
+//! `hcomm trace merge` and `hcomm trace summary`: the ranks' `HCOMM_TRACE` files joined into
+//! one Chrome / Perfetto trace, and a table of where each rank's time went.
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The trace files named by `inputs`: files as given, directories by their
+/// `hcomm-trace-rank*.json` (in rank order).
+pub fn trace_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
+    let mut files = Vec::new();
+    for input in inputs {
+        if input.is_dir() {
+            let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(input)
+                .map_err(|e| format!("cannot read {}: {e}", input.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter_map(|p| {
+                    let name = p.file_name()?.to_str()?;
+                    let rank = name
+                        .strip_prefix("hcomm-trace-rank")?
+                        .strip_suffix(".json")?
+                        .parse()
+                        .ok()?;
+                    Some((rank, p))
+                })
+                .collect();
+            if found.is_empty() {
+                return Err(format!(
+                    "{} holds no hcomm-trace-rank*.json (was HCOMM_TRACE set to it?)",
+                    input.display()
+                ));
+            }
+            found.sort();
+            files.extend(found.into_iter().map(|(_, p)| p));
+        } else {
+            files.push(input.clone());
+        }
+    }
+    if files.is_empty() {
+        return Err("no trace files given".into());
+    }
+    Ok(files)
+}
+
+/// The events of one rank's trace file. A file whose closing `]` is missing (its process
+/// ended without dropping its communicators) is read too, and so is one whose last line was
+/// cut short (that line is dropped).
+pub fn read_events(path: &Path) -> Result<Vec<Value>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let parse = |t: &str| -> Option<Vec<Value>> {
+        let t = t.trim_end().trim_end_matches(',');
+        let closed = if t.ends_with(']') {
+            t.to_string()
+        } else {
+            format!("{t}\n]")
+        };
+        serde_json::from_str::<Value>(&closed)
+            .ok()?
+            .as_array()
+            .cloned()
+    };
+    if let Some(events) = parse(&text) {
+        return Ok(events);
+    }
+    // A cut-short last line: drop it.
+    if let Some(cut) = text.trim_end().rfind('\n') {
+        if let Some(events) = parse(&text[..cut]) {
+            return Ok(events);
+        }
+    }
+    Err(format!(
+        "{} is not a Chrome trace written by hcomm (expected a JSON array of events)",
+        path.display()
+    ))
+}
+
+/// Every event of `files`, in one array (each rank is its own process in the viewer).
+pub fn merge(files: &[PathBuf]) -> Result<Vec<Value>, String> {
+    let mut all = Vec::new();
+    for f in files {
+        all.extend(read_events(f)?);
+    }
+    Ok(all)
+}
+
+/// One row of [`summary`]: one operation kind on one rank's communicator.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Row {
+    /// Calls traced.
+    pub calls: u64,
+    /// Time the operations ran, µs.
+    pub run_us: f64,
+    /// Time they waited for their turn, µs.
+    pub queue_us: f64,
+    /// Payload bytes (as the caller gave them).
+    pub bytes: u64,
+    /// Bytes this rank put on the wire (TCP sent + shared memory written).
+    pub wire_bytes: u64,
+    /// Calls that ended with an error.
+    pub errors: u64,
+}
+
+/// Per (rank, track name, operation): calls, time, bytes. Track names come from the
+/// `thread_name` metadata events.
+pub fn summary(events: &[Value]) -> BTreeMap<(u64, String, String), Row> {
+    let mut tracks: BTreeMap<(u64, u64), String> = BTreeMap::new();
+    for e in events {
+        if e["ph"] == "M" && e["name"] == "thread_name" {
+            if let (Some(pid), Some(tid), Some(name)) = (
+                e["pid"].as_u64(),
+                e["tid"].as_u64(),
+                e["args"]["name"].as_str(),
+            ) {
+                tracks.insert((pid, tid), name.to_string());
+            }
+        }
+    }
+    let mut rows: BTreeMap<(u64, String, String), Row> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        let (Some(pid), Some(tid), Some(op)) =
+            (e["pid"].as_u64(), e["tid"].as_u64(), e["name"].as_str())
+        else {
+            continue;
+        };
+        let track = tracks
+            .get(&(pid, tid))
+            .cloned()
+            .unwrap_or_else(|| format!("track {tid}"));
+        let a = &e["args"];
+        let row = rows.entry((pid, track, op.to_string())).or_default();
+        row.calls += 1;
+        row.run_us += e["dur"].as_f64().unwrap_or(0.0);
+        row.queue_us += a["queue_us"].as_f64().unwrap_or(0.0);
+        row.bytes += a["bytes"].as_u64().unwrap_or(0);
+        row.wire_bytes +=
+            a["tcp_sent"].as_u64().unwrap_or(0) + a["shm_written"].as_u64().unwrap_or(0);
+        row.errors += u64::from(a.get("error").is_some());
+    }
+    rows
+}
+
+/// [`summary`] as a table.
+pub fn summary_table(events: &[Value]) -> String {
+    let rows = summary(events);
+    let mut out = format!(
+        "{:>4}  {:<36} {:<24} {:>8} {:>12} {:>12} {:>12} {:>14} {:>6}\n",
+        "rank",
+        "communicator",
+        "operation",
+        "calls",
+        "run ms",
+        "queue ms",
+        "avg us",
+        "wire bytes",
+        "errors"
+    );
+    for ((rank, track, op), r) in &rows {
+        out.push_str(&format!(
+            "{rank:>4}  {track:<36} {op:<24} {:>8} {:>12.3} {:>12.3} {:>12.2} {:>14} {:>6}\n",
+            r.calls,
+            r.run_us / 1e3,
+            r.queue_us / 1e3,
+            r.run_us / r.calls.max(1) as f64,
+            r.wire_bytes,
+            r.errors
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn reads_open_and_cut_files_and_sums_by_track_and_op() {
+        let dir = std::env::temp_dir().join(format!("hcomm-trace-tool-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let meta = r#"{"ph":"M","name":"thread_name","pid":1,"tid":0,"args":{"name":"world (rank 1 of 2)"}}"#;
+        let x = |dur: f64, q: f64| {
+            format!(
+                r#"{{"name":"all_reduce","ph":"X","ts":1.0,"dur":{dur},"pid":1,"tid":0,"args":{{"seq":0,"bytes":8,"tcp_sent":40,"shm_written":0,"queue_us":{q}}}}}"#
+            )
+        };
+        // No closing bracket, and a last line cut in the middle.
+        let text = format!(
+            "[\n{meta}\n,{}\n,{}\n,{{\"name\":\"all_re",
+            x(10.0, 1.0),
+            x(30.0, 3.0)
+        );
+        write(&dir, "hcomm-trace-rank1.json", &text);
+        write(&dir, "hcomm-trace-rank0.json", "[\n]\n");
+        write(&dir, "other.json", "not a trace");
+        let files = trace_files(std::slice::from_ref(&dir)).unwrap();
+        assert_eq!(files.len(), 2);
+        assert!(files[0].ends_with("hcomm-trace-rank0.json"));
+        let events = merge(&files).unwrap();
+        assert_eq!(events.len(), 3);
+        let rows = summary(&events);
+        let row = &rows[&(
+            1,
+            "world (rank 1 of 2)".to_string(),
+            "all_reduce".to_string(),
+        )];
+        assert_eq!(row.calls, 2);
+        assert_eq!(row.run_us, 40.0);
+        assert_eq!(row.queue_us, 4.0);
+        assert_eq!(row.bytes, 16);
+        assert_eq!(row.wire_bytes, 80);
+        assert!(summary_table(&events).contains("all_reduce"));
+        let bad = read_events(&dir.join("other.json")).unwrap_err();
+        assert!(bad.contains("not a Chrome trace"), "{bad}");
+        let empty = std::env::temp_dir().join(format!("hcomm-trace-empty-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).unwrap();
+        assert!(trace_files(std::slice::from_ref(&empty))
+            .unwrap_err()
+            .contains("holds no"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&empty);
+    }
+}
