@@ -54,6 +54,21 @@ enum TraceCmd {
         #[arg(short, long)]
         output: std::path::PathBuf,
     },
+    /// Draw the ranks' operations on a time line (SVG): bars per operation, queue time, gaps.
+    Timeline {
+        /// HCOMM_TRACE directories (their hcomm-trace-rank*.json) or trace files.
+        #[arg(required = true)]
+        inputs: Vec<std::path::PathBuf>,
+        /// The picture (SVG).
+        #[arg(short, long)]
+        output: std::path::PathBuf,
+        /// Start of the window shown, in ms after the first operation (default: the whole trace).
+        #[arg(long)]
+        from_ms: Option<f64>,
+        /// End of the window shown, in ms after the first operation.
+        #[arg(long)]
+        to_ms: Option<f64>,
+    },
     /// Print, per rank, communicator and operation: calls, run and queue time, wire bytes, errors.
     Summary {
         /// HCOMM_TRACE directories (their hcomm-trace-rank*.json) or trace files.
@@ -63,9 +78,11 @@ enum TraceCmd {
 }
 
 fn cmd_trace(cmd: TraceCmd) -> ExitCode {
-    use hcomm_cli::trace_tool::{merge, summary_table, trace_files};
+    use hcomm_cli::trace_tool::{merge, summary_table, timeline_svg, trace_files, trace_start};
     let inputs = match &cmd {
-        TraceCmd::Merge { inputs, .. } | TraceCmd::Summary { inputs } => inputs,
+        TraceCmd::Merge { inputs, .. }
+        | TraceCmd::Timeline { inputs, .. }
+        | TraceCmd::Summary { inputs } => inputs,
     };
     let events = match trace_files(inputs).and_then(|f| merge(&f)) {
         Ok(e) => e,
@@ -86,6 +103,42 @@ fn cmd_trace(cmd: TraceCmd) -> ExitCode {
                 events.len(),
                 output.display()
             );
+        }
+        TraceCmd::Timeline {
+            output,
+            from_ms,
+            to_ms,
+            ..
+        } => {
+            let window = match (trace_start(&events), from_ms, to_ms) {
+                (Some(t0), from, to) if from.is_some() || to.is_some() => {
+                    let end = events
+                        .iter()
+                        .filter(|e| e["ph"] == "X")
+                        .filter_map(|e| Some(e["ts"].as_f64()? + e["dur"].as_f64()?))
+                        .fold(t0, f64::max);
+                    Some((
+                        from.map_or(t0, |f| t0 + f * 1e3),
+                        to.map_or(end, |t| t0 + t * 1e3),
+                    ))
+                }
+                _ => None,
+            };
+            let svg = match timeline_svg(&events, window) {
+                Ok(s) => s,
+                Err(e) => {
+                    hcomm_cli::say!("hcomm trace timeline: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if let Err(e) = std::fs::write(&output, svg) {
+                hcomm_cli::say!(
+                    "hcomm trace timeline: cannot write {}: {e}",
+                    output.display()
+                );
+                return ExitCode::from(1);
+            }
+            println!("hcomm trace timeline: {}", output.display());
         }
         TraceCmd::Summary { .. } => print!("{}", summary_table(&events)),
     }

@@ -17,7 +17,7 @@ pub struct Series {
 const W: f64 = 460.0;
 const H: f64 = 320.0;
 const M: (f64, f64, f64, f64) = (60.0, 20.0, 40.0, 50.0); // left, right, top, bottom
-const COLORS: [&str; 8] = [
+pub(crate) const COLORS: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
 
@@ -32,7 +32,7 @@ fn size_label(b: f64) -> String {
     }
 }
 
-fn esc(s: &str) -> String {
+pub(crate) fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

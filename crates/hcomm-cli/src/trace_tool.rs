@@ -169,6 +169,181 @@ pub fn summary_table(events: &[Value]) -> String {
     out
 }
 
+/// When the first operation of `events` began (trace µs).
+pub fn trace_start(events: &[Value]) -> Option<f64> {
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .filter_map(|e| e["ts"].as_f64())
+        .reduce(f64::min)
+}
+
+/// The time window a timeline shows: `(start, end)` in trace µs.
+pub type Window = (f64, f64);
+
+/// A timeline picture (SVG) of `events`: one row per track (rank · communicator), each
+/// operation a bar coloured by its name, its queue time (issue to turn) a thin pale bar before
+/// it; the gaps are the time the rank spent outside hcomm (computing, or idle). `window`
+/// (trace µs) narrows it to part of the run; without it, the whole trace.
+pub fn timeline_svg(events: &[Value], window: Option<Window>) -> Result<String, String> {
+    let mut names: BTreeMap<(u64, u64), String> = BTreeMap::new();
+    for e in events
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+    {
+        if let (Some(pid), Some(tid), Some(n)) = (
+            e["pid"].as_u64(),
+            e["tid"].as_u64(),
+            e["args"]["name"].as_str(),
+        ) {
+            names.insert((pid, tid), n.to_string());
+        }
+    }
+    struct Bar {
+        track: (u64, u64),
+        op: String,
+        start: f64,
+        end: f64,
+        queued: f64,
+    }
+    let bars: Vec<Bar> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .filter_map(|e| {
+            let start = e["ts"].as_f64()?;
+            Some(Bar {
+                track: (e["pid"].as_u64()?, e["tid"].as_u64()?),
+                op: e["name"].as_str()?.to_string(),
+                start,
+                end: start + e["dur"].as_f64().unwrap_or(0.0),
+                queued: e["args"]["queue_us"].as_f64().unwrap_or(0.0),
+            })
+        })
+        .collect();
+    if bars.is_empty() {
+        return Err("the trace holds no operations".into());
+    }
+    let (t0, t1) = window.unwrap_or_else(|| {
+        let lo = bars
+            .iter()
+            .map(|b| b.start - b.queued)
+            .fold(f64::INFINITY, f64::min);
+        let hi = bars.iter().map(|b| b.end).fold(f64::NEG_INFINITY, f64::max);
+        (lo, hi)
+    });
+    if t1.partial_cmp(&t0) != Some(std::cmp::Ordering::Greater) {
+        return Err(format!("empty time window {t0}..{t1} µs"));
+    }
+    let mut tracks: Vec<(u64, u64)> = bars.iter().map(|b| b.track).collect();
+    tracks.sort();
+    tracks.dedup();
+    let mut ops: Vec<&str> = bars.iter().map(|b| b.op.as_str()).collect();
+    ops.sort();
+    ops.dedup();
+    let colour = |op: &str| {
+        crate::plot::COLORS
+            [ops.iter().position(|o| *o == op).unwrap_or(0) % crate::plot::COLORS.len()]
+    };
+    let (left, width, row, top) = (260.0, 900.0, 26.0, 40.0);
+    let height = top + row * tracks.len() as f64 + 70.0;
+    let x = |t: f64| left + (t.clamp(t0, t1) - t0) / (t1 - t0) * width;
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{left}\" y=\"20\" font-size=\"14\">hcomm trace: {} operations on {} tracks, {:.3} ms shown (bars: operations; pale: waiting for the turn; gaps: outside hcomm)</text>\n",
+        left + width + 20.0,
+        bars.len(),
+        tracks.len(),
+        (t1 - t0) / 1e3
+    );
+    let mut busy: BTreeMap<(u64, u64), (f64, f64)> = BTreeMap::new();
+    for (i, t) in tracks.iter().enumerate() {
+        let y = top + row * i as f64;
+        let name = names
+            .get(t)
+            .cloned()
+            .unwrap_or_else(|| format!("track {}", t.1));
+        svg.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">rank {} · {}</text>\n<line x1=\"{left}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"#ddd\"/>\n",
+            left - 8.0,
+            y + 15.0,
+            t.0,
+            crate::plot::esc(&name),
+            left + width,
+            y + row - 2.0,
+            y + row - 2.0
+        ));
+    }
+    for b in bars
+        .iter()
+        .filter(|b| b.end >= t0 && b.start - b.queued <= t1)
+    {
+        let i = tracks.iter().position(|t| *t == b.track).expect("listed");
+        let y = top + row * i as f64;
+        let (qa, qb) = (x(b.start - b.queued), x(b.start));
+        // Queue times under a pixel would only blur the row.
+        if qb - qa >= 1.0 {
+            svg.push_str(&format!(
+                "<rect x=\"{qa:.2}\" y=\"{:.2}\" width=\"{:.2}\" height=\"4\" fill=\"{}\" opacity=\"0.35\"/>\n",
+                y + 18.0,
+                qb - qa,
+                colour(&b.op)
+            ));
+        }
+        let (a, e) = (x(b.start), x(b.end));
+        svg.push_str(&format!(
+            "<rect x=\"{a:.2}\" y=\"{:.2}\" width=\"{:.2}\" height=\"16\" fill=\"{}\"><title>{} {:.1} µs</title></rect>\n",
+            y + 2.0,
+            (e - a).max(0.5),
+            colour(&b.op),
+            crate::plot::esc(&b.op),
+            b.end - b.start
+        ));
+        let slot = busy.entry(b.track).or_default();
+        slot.0 += b.end.min(t1) - b.start.max(t0);
+        slot.1 += (b.start.min(t1) - (b.start - b.queued).max(t0)).max(0.0);
+    }
+    let axis = top + row * tracks.len() as f64 + 14.0;
+    for k in 0..=4 {
+        let t = t0 + (t1 - t0) * k as f64 / 4.0;
+        svg.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{axis}\" text-anchor=\"middle\">{:.2} ms</text>\n",
+            x(t),
+            (t - t0) / 1e3
+        ));
+    }
+    let mut lx = left;
+    for op in &ops {
+        svg.push_str(&format!(
+            "<rect x=\"{lx}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"{}\">{}</text>\n",
+            axis + 12.0,
+            colour(op),
+            lx + 16.0,
+            axis + 22.0,
+            crate::plot::esc(op)
+        ));
+        lx += 24.0 + 7.0 * op.len() as f64;
+    }
+    let share: Vec<String> = busy
+        .iter()
+        .map(|(t, (run, q))| {
+            format!(
+                "rank {} track {}: in operations {:.0} %, queued {:.0} %",
+                t.0,
+                t.1,
+                100.0 * run / (t1 - t0),
+                100.0 * q / (t1 - t0)
+            )
+        })
+        .collect();
+    svg.push_str(&format!(
+        "<text x=\"{left}\" y=\"{}\" font-size=\"11\" fill=\"#555\">{}</text>\n</svg>\n",
+        axis + 44.0,
+        crate::plot::esc(&share.join("; "))
+    ));
+    Ok(svg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,6 +391,15 @@ mod tests {
         assert_eq!(row.bytes, 16);
         assert_eq!(row.wire_bytes, 80);
         assert!(summary_table(&events).contains("all_reduce"));
+        let svg = timeline_svg(&events, None).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("rank 1 · world (rank 1 of 2)"), "{svg}");
+        // Two bars of the same colour and their queue bars.
+        assert_eq!(svg.matches("<title>all_reduce").count(), 2);
+        assert!(timeline_svg(&events, Some((5.0, 5.0)))
+            .unwrap_err()
+            .contains("empty"));
+        assert!(timeline_svg(&[], None).is_err());
         let bad = read_events(&dir.join("other.json")).unwrap_err();
         assert!(bad.contains("not a Chrome trace"), "{bad}");
         let empty = std::env::temp_dir().join(format!("hcomm-trace-empty-{}", std::process::id()));

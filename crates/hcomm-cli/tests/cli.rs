@@ -862,6 +862,25 @@ fn hcomm_trace_writes_one_file_per_rank_that_merge_and_summary_read() {
         .map(|e| e["pid"].as_u64().unwrap())
         .collect();
     assert_eq!(pids.into_iter().collect::<Vec<_>>(), [0, 1]);
+    let svg = dir.path().join("timeline.svg");
+    let (code, _, err) = hcomm(
+        &[
+            "trace",
+            "timeline",
+            &t,
+            "-o",
+            svg.to_str().unwrap(),
+            "--from-ms",
+            "0",
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let pic = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        pic.starts_with("<svg") && pic.contains("rank 1 · world"),
+        "{pic}"
+    );
     // A folder without traces is an error that says what was expected.
     let (code, _, err) = hcomm(
         &["trace", "summary", dir.path().to_str().unwrap()],
