@@ -123,10 +123,31 @@ class _Reduction:
         return acc
 
 
+#: Plans already made, by (op, dtype): every op but PREMUL_SUM (whose factor changes per
+#: call) plans the same way each time, and planning is a visible part of a small call.
+_PLANS: dict = {}
+
+
 def _reduction(opts: Any, dtype: torch.dtype, what: str) -> _Reduction:
     """The plan for `opts.reduceOp` on `dtype`, or an InvalidArgumentError naming both."""
     red = opts.reduceOp
     kind = getattr(red, "op", red)
+    try:
+        plan = _PLANS.get((kind, dtype))
+    except TypeError:  # an op that cannot be a key: planned each time
+        plan = None
+    if plan is not None:
+        return plan
+    plan = _plan(red, kind, dtype, what)
+    if kind != ReduceOp.PREMUL_SUM:
+        try:
+            _PLANS[(kind, dtype)] = plan
+        except TypeError:
+            pass
+    return plan
+
+
+def _plan(red: Any, kind: Any, dtype: torch.dtype, what: str) -> _Reduction:
     name = f"ReduceOp.{getattr(kind, 'name', kind)}"
 
     def refuse(why: str) -> InvalidArgumentError:
