@@ -13,7 +13,8 @@
 //! rows in the same order, each rank's repeated rows first (in the order it gave them), then
 //! the ranks in rank order. That is the canonical expression of deterministic mode, so a row
 //! has bitwise the value the deterministic dense all-reduce of the ranks' tables gives it
-//! (`tests/deterministic.rs`), f16/bf16 aside (summed in their own precision here).
+//! (`tests/deterministic.rs`); f16/bf16 are accumulated across the ranks in f32 and rounded
+//! once, as there.
 //! Rows absent on a rank count as zero, so [`ReduceOp::Mean`] divides by the world size, as the
 //! dense mean of the same tensors would. Only `Sum` and `Mean` are defined (a max over rows that
 //! some ranks lack is not the dense max), as in Gloo.
@@ -22,7 +23,7 @@ use std::collections::HashMap;
 
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
-use crate::base::reduce::{finalize_mean, reduce_into, Order};
+use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, Order};
 use crate::comm::traffic::TrafficScope;
 use crate::comm::Communicator;
 use crate::engine::Work;
@@ -229,9 +230,11 @@ impl Communicator {
     ///
     /// Costs over the dense all-reduce: a scan of the tensor (stopping early when this rank
     /// alone has too many non-zero blocks) and a small all-gather of the counts, which picks
-    /// the same path on every rank. The sparse path sums in rank order (bit-identical on every
-    /// rank; with 2 ranks also identical to the dense sum; with more, the rounding of a sum of
-    /// several non-zero blocks may differ from the ring's in the last bit). Only `Sum` and
+    /// the same path on every rank. The sparse path computes every block as the rank-order fold
+    /// of the ranks' blocks (`((x0 + x1) + x2) + …`, f16/bf16 accumulated in f32 and rounded
+    /// once): bitwise what the dense all-reduce of deterministic mode gives, so in that mode
+    /// the result does not depend on which path ran (without it, the default dense schedules
+    /// may round a sum of three or more non-zero blocks differently in the last bit). Only `Sum` and
     /// `Mean` skip (zero is their identity); other reductions, and tensors under 64 blocks,
     /// run the dense all-reduce. Returns whether the sparse path ran. Every rank must pass the
     /// same length and dtype ([`Error::Mismatch`] on every rank otherwise).
@@ -316,34 +319,34 @@ impl Communicator {
         let (indices, rows) = self.gather_rows(&nonzero, &values, &counts, block, dtype)?;
         buf.fill(0);
         let len = buf.len();
-        // Sum each block over the ranks that sent it, in rank order (the first copied, the
-        // others added), as the dense sum of those ranks' values.
-        let mut senders = vec![0u32; blocks];
-        for (&b, row) in indices.iter().zip(rows.chunks_exact(block_bytes)) {
-            let b = b as usize;
-            let at = b * block_bytes;
-            let dst = &mut buf[at..(at + block_bytes).min(len)];
-            let src = &row[..dst.len()];
-            if senders[b] == 0 {
-                dst.copy_from_slice(src);
-            } else {
-                reduce_into(dtype, ReduceOp::Sum, dst, src, Order::AccFirst);
+        // Each block that some rank sent is the canonical rank-order fold of every rank's
+        // block (`fold_in_order`: f16/bf16 accumulated in f32), a rank that sent nothing
+        // contributing its zeros: bitwise the deterministic dense all-reduce, whichever path
+        // the counts pick. `sent[b * n + r]` is the row rank `r` sent for block `b`.
+        let mut sent: Vec<Option<usize>> = vec![None; blocks * n];
+        let mut start = 0;
+        for (r, &c) in counts.iter().enumerate() {
+            for (k, &b) in indices.iter().enumerate().skip(start).take(c) {
+                sent[b as usize * n + r] = Some(k);
             }
-            senders[b] += 1;
+            start += c;
         }
-        // The ranks that sent nothing for a block add zeros: 0 + x is x, except that a -0.0
-        // becomes 0.0, as in the dense sum. Blocks nobody sent stay zero.
         let zeros = vec![0u8; block_bytes];
-        for (b, &k) in senders.iter().enumerate() {
-            if k == 0 {
-                continue;
+        for (b, senders) in sent.chunks_exact(n).enumerate() {
+            if senders.iter().all(Option::is_none) {
+                continue; // zero on every rank: stays zero
             }
             let at = b * block_bytes;
             let dst = &mut buf[at..(at + block_bytes).min(len)];
-            if (k as usize) < n {
-                let short = dst.len();
-                reduce_into(dtype, ReduceOp::Sum, dst, &zeros[..short], Order::AccFirst);
-            }
+            let short = dst.len();
+            let parts: Vec<&[u8]> = senders
+                .iter()
+                .map(|s| match s {
+                    Some(k) => &rows[k * block_bytes..k * block_bytes + short],
+                    None => &zeros[..short],
+                })
+                .collect();
+            fold_in_order(dtype, ReduceOp::Sum, dst, &parts);
             if op == ReduceOp::Mean {
                 finalize_mean(dtype, dst, n);
             }
@@ -399,12 +402,11 @@ fn dtype_name(code: u64) -> String {
     DType::from_code(code as u8).map_or("?".into(), |d| d.to_string())
 }
 
-/// Sum rows with equal indices, in the order given (the first occurrence is copied, later ones
-/// added to it); indices come back ascending.
 /// The gathered rows of every rank (`counts[r]` rows from rank `r`, in rank order) summed the
 /// way the dense all-reduce of deterministic mode sums the ranks' tables: each rank's repeats
 /// first (its own dense row, [`coalesce`]), then the ranks' rows in rank order,
-/// `((x0 + x1) + x2) + …`, ranks without the row adding nothing. Sorted by index.
+/// `((x0 + x1) + x2) + …` ([`fold_in_order`]: f16/bf16 accumulated in f32, rounded once), a
+/// rank without the row contributing its table's zero row. Sorted by index.
 fn sum_in_rank_order(
     indices: &[i64],
     values: &[u8],
@@ -422,16 +424,27 @@ fn sum_in_rank_order(
         per_rank.push(coalesce(idx, vals, row_bytes, dtype));
         start += c;
     }
-    let (idx, vals): (Vec<i64>, Vec<u8>) =
-        per_rank
-            .iter()
-            .fold((Vec::new(), Vec::new()), |(mut i, mut v), (ri, rv)| {
-                i.extend_from_slice(ri);
-                v.extend_from_slice(rv);
-                (i, v)
-            });
-    // Every index is now once per rank, in rank order: coalescing these folds the ranks.
-    coalesce(&idx, &vals, row_bytes, dtype)
+    // Every index is now once per rank: fold each one's rows over the ranks in rank order,
+    // the ranks without it giving zeros, as their dense tables would.
+    let mut unique: Vec<i64> = per_rank
+        .iter()
+        .flat_map(|(i, _)| i.iter().copied())
+        .collect();
+    unique.sort_unstable();
+    unique.dedup();
+    let slot: HashMap<i64, usize> = unique.iter().enumerate().map(|(s, &i)| (i, s)).collect();
+    let zeros = vec![0u8; row_bytes];
+    let mut parts: Vec<Vec<&[u8]>> = vec![vec![&zeros[..]; per_rank.len()]; unique.len()];
+    for (r, (idx, vals)) in per_rank.iter().enumerate() {
+        for (k, i) in idx.iter().enumerate() {
+            parts[slot[i]][r] = &vals[k * row_bytes..(k + 1) * row_bytes];
+        }
+    }
+    let mut out = vec![0u8; unique.len() * row_bytes];
+    for (dst, rows) in out.chunks_exact_mut(row_bytes.max(1)).zip(&parts) {
+        fold_in_order(dtype, ReduceOp::Sum, dst, rows);
+    }
+    (unique, out)
 }
 
 /// Rows with the same index summed in the order given (the first copied, each later one

@@ -443,3 +443,255 @@ fn sparse_all_reduce_gives_the_bits_of_the_deterministic_dense_one() {
         }
     }
 }
+
+/// A rank's tensor for the skip-zero test: `blocks` blocks of 1 KiB worth of `H`, the last
+/// one 3 elements short, non-zero (random, non-integer) only in the blocks `pick(rank, block)`
+/// chooses; rank 1's first chosen block holds only `-0.0`s (not zero bits, so it travels).
+fn blocky<H: Copy>(
+    rank: usize,
+    blocks: usize,
+    pick: fn(usize, usize) -> bool,
+    to: fn(f32) -> H,
+) -> Vec<H> {
+    let per = 1024 / std::mem::size_of::<H>();
+    let noise = random(rank, blocks * per, 61);
+    let negative_zeros = (0..blocks).find(|&b| pick(1, b)).filter(|_| rank == 1);
+    (0..blocks * per - 3)
+        .map(|i| match i / per {
+            b if !pick(rank, b) => to(0.0),
+            b if Some(b) == negative_zeros => to(-0.0),
+            _ => to(noise[i] / 7.0),
+        })
+        .collect()
+}
+
+/// The canonical fold of every rank's `blocky` tensor, computed sequentially: rank 0's element
+/// widened to f32, plus rank 1's, … (f32 throughout), rounded to `H` once.
+fn blocky_reference<H: Copy>(
+    n: usize,
+    blocks: usize,
+    pick: fn(usize, usize) -> bool,
+    to: fn(f32) -> H,
+    from: fn(H) -> f32,
+) -> Vec<H> {
+    let inputs: Vec<Vec<H>> = (0..n).map(|r| blocky(r, blocks, pick, to)).collect();
+    (0..inputs[0].len())
+        .map(|i| {
+            to(inputs[1..]
+                .iter()
+                .fold(from(inputs[0][i]), |acc, x| acc + from(x[i])))
+        })
+        .collect()
+}
+
+/// Bytes of a typed slice, for bitwise comparisons.
+fn raw<H: bytemuck::Pod>(v: &[H]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// What one rank saw in [`skip_zero_case`]: whether the sparse path ran, its sum's bytes, the
+/// Mean of the same tensors through skip-zero, the Mean through the dense all-reduce.
+type SkipZeroSeen = (bool, Vec<u8>, Vec<u8>, Vec<u8>);
+
+/// Skip-zero all-reduce of `blocky` tensors of `H` in deterministic mode, on every rank.
+fn skip_zero_case<H: hcomm::Element + bytemuck::Pod>(
+    n: usize,
+    transport: TransportKind,
+    blocks: usize,
+    pick: fn(usize, usize) -> bool,
+    to: fn(f32) -> H,
+) -> Vec<SkipZeroSeen> {
+    expect_all(run_threads_configured(
+        n,
+        T,
+        |cfg| BootstrapConfig { transport, ..cfg },
+        |c| {
+            c.set_deterministic(true);
+            let mut sum = blocky(c.rank(), blocks, pick, to);
+            let sparse = c.all_reduce_skipping_zeros(&mut sum, ReduceOp::Sum)?;
+            let mut mean = blocky(c.rank(), blocks, pick, to);
+            c.all_reduce_skipping_zeros(&mut mean, ReduceOp::Mean)?;
+            let mut dense_mean = blocky(c.rank(), blocks, pick, to);
+            c.all_reduce_in_place(&mut dense_mean, ReduceOp::Mean)?;
+            Ok((sparse, raw(&sum), raw(&mean), raw(&dense_mean)))
+        },
+    ))
+}
+
+#[test]
+fn skipping_zeros_gives_the_rank_order_bits_on_either_path() {
+    // 100 blocks (the last one short); "few": each rank fills 11 blocks, overlapping with its
+    // neighbour's, so the sparse path runs; "all": every block is
+    // non-zero on every rank, so the dense (canonical) all-reduce runs. Both must give the
+    // sequential rank-order fold, f16/bf16 widened to f32 and rounded once.
+    fn few(rank: usize, b: usize) -> bool {
+        b % 20 == rank || b % 20 == rank + 1 || b == 99
+    }
+    fn all(_: usize, _: usize) -> bool {
+        true
+    }
+    use half::f16;
+    for n in [2, 3, 4] {
+        for transport in [TransportKind::Auto, TransportKind::Tcp] {
+            for (name, pick, want_sparse) in [
+                ("few", few as fn(usize, usize) -> bool, true),
+                ("all", all, false),
+            ] {
+                let ctx = format!("{n} ranks, {transport:?}, {name} non-zero blocks");
+                let check = |got: Vec<SkipZeroSeen>, want: Vec<u8>, ty| {
+                    for (r, (sparse, sum, mean, dense_mean)) in got.into_iter().enumerate() {
+                        assert_eq!(sparse, want_sparse, "{ctx}, {ty}: path");
+                        assert!(
+                            sum == want,
+                            "{ctx}, {ty}, rank {r}: sum differs from the fold"
+                        );
+                        assert!(mean == dense_mean, "{ctx}, {ty}, rank {r}: mean differs");
+                    }
+                };
+                check(
+                    skip_zero_case(n, transport, 100, pick, |x| x),
+                    raw(&blocky_reference(n, 100, pick, |x| x, |x| x)),
+                    "f32",
+                );
+                check(
+                    skip_zero_case(n, transport, 100, pick, f16::from_f32),
+                    raw(&blocky_reference(n, 100, pick, f16::from_f32, f16::to_f32)),
+                    "f16",
+                );
+                check(
+                    skip_zero_case(n, transport, 100, pick, bf16::from_f32),
+                    raw(&blocky_reference(
+                        n,
+                        100,
+                        pick,
+                        bf16::from_f32,
+                        bf16::to_f32,
+                    )),
+                    "bf16",
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_half_rows_are_accumulated_in_f32() {
+    // 4 ranks, every rank has rows 0..8; row values f16_value(rank) (2048 on rank 0, 1
+    // elsewhere): the widened fold gives 2052, a step-wise f16 fold 2048; and random rows give
+    // bitwise the deterministic dense all-reduce of the tables.
+    use half::f16;
+    const ROWS: usize = 8;
+    const LEN: usize = 5;
+    for transport in [TransportKind::Auto, TransportKind::Tcp] {
+        expect_all(run_threads_configured(
+            4,
+            T,
+            |cfg| BootstrapConfig { transport, ..cfg },
+            |c| {
+                let idx: Vec<i64> = (0..ROWS as i64).collect();
+                let vals = vec![f16::from_f32(f16_value(c.rank())); ROWS * LEN];
+                let rows = c.sparse_all_reduce(&idx, &vals, LEN, ReduceOp::Sum)?;
+                assert!(
+                    rows.values.iter().all(|x| x.to_f32() == 2052.0),
+                    "{transport:?}"
+                );
+                // Rank 2 lacks the odd rows.
+                let idx: Vec<i64> = (0..ROWS as i64)
+                    .filter(|i| c.rank() != 2 || i % 2 == 0)
+                    .collect();
+                let vals: Vec<f16> = random(c.rank(), idx.len() * LEN, 43)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                let rows = c.sparse_all_reduce(&idx, &vals, LEN, ReduceOp::Sum)?;
+                let mut table = vec![f16::from_f32(0.0); ROWS * LEN];
+                for (k, &i) in idx.iter().enumerate() {
+                    table[i as usize * LEN..][..LEN].copy_from_slice(&vals[k * LEN..][..LEN]);
+                }
+                c.set_deterministic(true);
+                c.all_reduce_in_place(&mut table, ReduceOp::Sum)?;
+                assert_eq!(rows.indices, (0..ROWS as i64).collect::<Vec<_>>());
+                assert_eq!(
+                    raw(&rows.values),
+                    raw(&table),
+                    "{transport:?}, rank {}",
+                    c.rank()
+                );
+                Ok(())
+            },
+        ));
+    }
+}
+
+/// Every compressor's results over 3 steps (error feedback on) of random f32 gradients on 4
+/// ranks laid out by `run`: rank 0's bits, per compressor and step.
+fn compressed_bits(
+    deterministic: bool,
+    run: impl Fn(&(dyn Fn(Communicator) -> hcomm::Result<Vec<Vec<u32>>> + Sync)) -> Vec<Vec<Vec<u32>>>,
+) -> Vec<Vec<u32>> {
+    run(&|c: Communicator| {
+        c.set_deterministic(deterministic);
+        let mut out = Vec::new();
+        for spec in COMPRESSORS {
+            let mut state = hcomm::CompressionState::new(spec.parse().expect("a compressor"))?;
+            for step in 0..3 {
+                let mut grad = random(c.rank(), 10_001, 71 + step);
+                c.all_reduce_compressed(&mut grad, ReduceOp::Sum, &mut state)?;
+                out.push(bits(&grad));
+            }
+        }
+        Ok(out)
+    })
+    .swap_remove(0)
+}
+
+const COMPRESSORS: [&str; 7] = [
+    "fp16",
+    "bf16",
+    "int8:256",
+    "int8sr:256",
+    "sign:256",
+    "topk:1%",
+    "randk:2%:7",
+];
+
+#[test]
+fn compressed_all_reduce_gives_the_same_bits_on_every_layout() {
+    let flat = |transport| {
+        move |f: &(dyn Fn(Communicator) -> hcomm::Result<Vec<Vec<u32>>> + Sync)| {
+            expect_all(run_threads_configured(
+                4,
+                T,
+                |cfg| BootstrapConfig { transport, ..cfg },
+                f,
+            ))
+        }
+    };
+    let two_hosts = |f: &(dyn Fn(Communicator) -> hcomm::Result<Vec<Vec<u32>>> + Sync)| {
+        expect_all(run_threads_on_hosts(&["a", "a", "b", "b"], T, f))
+    };
+    let shm = compressed_bits(true, flat(TransportKind::Auto));
+    let tcp = compressed_bits(true, flat(TransportKind::Tcp));
+    let hosts = compressed_bits(true, two_hosts);
+    for (k, spec) in COMPRESSORS.iter().enumerate() {
+        for step in 0..3 {
+            let i = 3 * k + step;
+            assert!(
+                shm[i] == tcp[i],
+                "{spec}, step {step}: shared memory and TCP differ"
+            );
+            assert!(
+                shm[i] == hosts[i],
+                "{spec}, step {step}: 2 hosts of 2 differ from 1 host"
+            );
+        }
+    }
+    // Without the mode, int8 and sign run hierarchically on 2 hosts of 2 (an exact host sum,
+    // then compressed across hosts) and their bits differ: the check above can fail.
+    let default_hosts = compressed_bits(false, two_hosts);
+    let default_flat = compressed_bits(false, flat(TransportKind::Auto));
+    assert!(
+        default_hosts[6..9] != default_flat[6..9],
+        "int8 gave the same bits hierarchically and flat"
+    );
+}

@@ -37,7 +37,10 @@
 //! of the host's sum with the same-index ranks of the other hosts (with its own residuals:
 //! [`CompressionState::slice`]), and the host's ranks all-gather the slices; only compressed
 //! slices cross hosts. A forced all-reduce algorithm other than the hierarchical one
-//! (`HCOMM_ALGO`, [`Communicator::set_algorithm`]) keeps them flat. Top-k stays flat (its
+//! (`HCOMM_ALGO`, [`Communicator::set_algorithm`]) keeps them flat, and so does
+//! deterministic mode ([`Communicator::set_deterministic`]), where every compressor's result
+//! then depends only on the ranks' inputs and residuals, not on the host layout, transport or
+//! algorithm (the dense reductions inside run the canonical schedules). Top-k stays flat (its
 //! picks are sparse already); fp16/bf16 and random-k are dense all-reduces, which are
 //! hierarchical anyway.
 //!
@@ -797,9 +800,11 @@ impl Communicator {
 
     /// This rank's slice of `n` elements when `compressor` runs hierarchically here: ranks
     /// forming several hosts of several ranks each, and no all-reduce algorithm other than
-    /// the hierarchical one set (read in the operation's turn, as the all-reduce does).
+    /// the hierarchical one set (read in the operation's turn, as the all-reduce does). In
+    /// deterministic mode it stays flat: the host-wise exact sum first would change the bits
+    /// with the host layout.
     fn compressed_slice(&self, compressor: Compressor, n: usize) -> Option<std::ops::Range<usize>> {
-        if !CompressionState::compresses_across_hosts(compressor) {
+        if !CompressionState::compresses_across_hosts(compressor) || self.is_deterministic() {
             return None;
         }
         match self.forced_algorithm(Collective::AllReduce) {
