@@ -89,7 +89,7 @@ for coll in ${COLLS//,/ }; do
         b=$(to_bytes "$size")
         [ "$coll" = barrier ] && b=0
         "${runner[@]}" "$hcomm" bench "$(hcomm_op "$coll")" -np "$RANKS" -b "$b" -e "$b" -w 5 \
-            --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
+            --transport "$TRANSPORT" --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
     done
 done
 

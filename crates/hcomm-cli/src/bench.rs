@@ -179,6 +179,8 @@ pub struct Row {
     pub time_us: f64,
     /// The fastest repeat's time per call.
     pub time_us_min: f64,
+    /// The slowest repeat's time per call.
+    pub time_us_max: f64,
     /// Calls per repeat.
     pub iters: usize,
     /// Algorithm bandwidth, GB/s.
@@ -191,6 +193,8 @@ pub struct Row {
     /// others (`/proc/stat`, seen by rank 0), in percent; absent where it cannot be read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub steal_pct: Option<f64>,
+    /// Busy processes that ran beside the ranks (`--noise`).
+    pub noise: usize,
 }
 
 /// The CPU time counters of `/proc/stat` (all CPUs): (steal, total), in clock ticks.
@@ -393,7 +397,7 @@ fn time_calls(
     comm: &Communicator,
     o: &BenchOpts,
     call: &mut dyn FnMut() -> Result<()>,
-) -> Result<(f64, f64, usize)> {
+) -> Result<Timing> {
     for _ in 0..o.warmup {
         call()?;
     }
@@ -416,7 +420,20 @@ fn time_calls(
         .map(|_| timed(iters))
         .collect::<Result<Vec<f64>>>()?;
     times.sort_by(f64::total_cmp);
-    Ok((times[times.len() / 2], times[0], iters))
+    Ok(Timing {
+        median: times[times.len() / 2],
+        fastest: times[0],
+        slowest: times[times.len() - 1],
+        iters,
+    })
+}
+
+/// Seconds per call of one size: the median, fastest and slowest of the timed repeats.
+struct Timing {
+    median: f64,
+    fastest: f64,
+    slowest: f64,
+    iters: usize,
 }
 
 /// The zero-copy window all-reduce: the data live in a shared window; timed like `run_size`.
@@ -440,9 +457,10 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
     ) as u64];
     comm.all_reduce_in_place(&mut wrong, ReduceOp::Sum)?;
     fill()?;
-    let (per_call, fastest, iters) = time_calls(comm, o, &mut || {
+    let timing = time_calls(comm, o, &mut || {
         comm.all_reduce_window(&win, bytes, o.dtype, o.redop)
     })?;
+    let per_call = timing.median;
     let algbw = if per_call > 0.0 {
         bytes as f64 / per_call / 1e9
     } else {
@@ -459,12 +477,14 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
         algo: "shm-window".into(),
         transport: "shm".into(),
         time_us: per_call * 1e6,
-        time_us_min: fastest * 1e6,
-        iters,
+        time_us_min: timing.fastest * 1e6,
+        time_us_max: timing.slowest * 1e6,
+        iters: timing.iters,
         algbw,
         busbw: algbw * BenchOp::Coll(Collective::AllReduce).busbw_factor(n),
         wrong: if o.check { wrong[0] as i64 } else { -1 },
         steal_pct: None,
+        noise: o.noise,
     })
 }
 
@@ -490,12 +510,16 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
     } else {
         -1
     };
-    let (t, t_min, iters) = time_calls(comm, o, &mut || {
+    let timing = time_calls(comm, o, &mut || {
         call(op, comm, &mut b, o.dtype, o.redop, root)
     })?;
     // Ping-pong: one call is a round trip; report one way.
     let one_way = if op == BenchOp::SendRecv { 2.0 } else { 1.0 };
-    let (per_call, fastest) = (t / one_way, t_min / one_way);
+    let (per_call, fastest, slowest) = (
+        timing.median / one_way,
+        timing.fastest / one_way,
+        timing.slowest / one_way,
+    );
     let es = o.dtype.size();
     let shown = match op {
         op if op.blocked() => b.block * n * es,
@@ -538,11 +562,13 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         transport: transport.into(),
         time_us: per_call * 1e6,
         time_us_min: fastest * 1e6,
-        iters,
+        time_us_max: slowest * 1e6,
+        iters: timing.iters,
         algbw,
         busbw: algbw * op.busbw_factor(n),
         wrong,
         steal_pct: None,
+        noise: o.noise,
     })
 }
 
@@ -626,7 +652,8 @@ pub struct Outcome {
     pub output_failed: bool,
 }
 
-/// Key of a configuration in the results history.
+/// Key of a configuration in the results history: runs compare only with runs of the same
+/// operation, shape, algorithm, transport and noise.
 fn history_key(r: &serde_json::Value) -> String {
     [
         "op",
@@ -640,20 +667,107 @@ fn history_key(r: &serde_json::Value) -> String {
     ]
     .iter()
     .map(|k| r.get(*k).map(|v| v.to_string()).unwrap_or_default())
+    .chain(std::iter::once(
+        // Rows written before `noise` was recorded ran without it.
+        r.get("noise")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0)
+            .to_string(),
+    ))
     .collect::<Vec<_>>()
     .join("|")
 }
 
-/// Compare `rows` with the latest earlier rows of the same configuration in `path`, print the
-/// comparison, then append `rows`.
+/// The times per call of one size in one run, in microseconds: the median, fastest and
+/// slowest of its repeats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Spread {
+    /// Median repeat.
+    pub median: f64,
+    /// Fastest repeat.
+    pub fastest: f64,
+    /// Slowest repeat.
+    pub slowest: f64,
+}
+
+impl Spread {
+    /// The spread a results-file row records (`time_us`, `time_us_min`, `time_us_max`); rows
+    /// written before the slowest repeat was recorded count their median as the slowest.
+    fn of_record(v: &serde_json::Value) -> Option<Spread> {
+        let median = v.get("time_us")?.as_f64()?;
+        let fastest = v
+            .get("time_us_min")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(median);
+        let slowest = v
+            .get("time_us_max")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(median);
+        (median > 0.0).then_some(Spread {
+            median,
+            fastest,
+            slowest,
+        })
+    }
+}
+
+/// Earlier runs a comparison looks at, at most.
+pub const HISTORY_RUNS: usize = 5;
+
+/// How a run compares with the earlier runs of the same configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every repeat now beats the fastest earlier run's median, and the median by over 5 %.
+    Faster,
+    /// Every repeat now is slower than the slowest earlier run's median, and the median by
+    /// over 5 %.
+    Slower,
+    /// Inside the earlier runs' range, or within 5 % of it.
+    AboutTheSame,
+}
+
+impl Verdict {
+    /// Compare `now` with the `earlier` runs (the last [`HISTORY_RUNS`]). On a shared VM the
+    /// figure moves more between runs (where the scheduler puts the ranks) than between the
+    /// repeats of one run, so the band to leave is the range of the earlier runs' medians, and
+    /// all of this run's repeats must leave it: a lone slow repeat, or one run against one
+    /// other, reads as noise more often than not. With no earlier run there is no verdict.
+    pub fn of(earlier: &[Spread], now: Spread) -> Option<Verdict> {
+        let lo = earlier.iter().map(|s| s.median).reduce(f64::min)?;
+        let hi = earlier.iter().map(|s| s.median).reduce(f64::max)?;
+        Some(if now.median * 1.05 < lo && now.slowest < lo {
+            Verdict::Faster
+        } else if now.median > hi * 1.05 && now.fastest > hi {
+            Verdict::Slower
+        } else {
+            Verdict::AboutTheSame
+        })
+    }
+
+    /// The word the comparison line prints.
+    pub fn word(self) -> &'static str {
+        match self {
+            Verdict::Faster => "faster",
+            Verdict::Slower => "slower",
+            Verdict::AboutTheSame => "about the same",
+        }
+    }
+}
+
+/// Compare `rows` with the earlier rows of the same configuration in `path` (the last
+/// [`HISTORY_RUNS`] of each), print the comparison, then append `rows`.
 fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut last: std::collections::HashMap<String, serde_json::Value> =
+    let mut earlier: std::collections::HashMap<String, Vec<serde_json::Value>> =
         std::collections::HashMap::new();
     if let Ok(text) = std::fs::read_to_string(path) {
         for line in text.lines() {
             if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-                last.insert(history_key(&v), v);
+                let runs = earlier.entry(history_key(&v)).or_default();
+                runs.push(v);
+                if runs.len() > HISTORY_RUNS {
+                    runs.remove(0);
+                }
             }
         }
     }
@@ -672,25 +786,30 @@ fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
         let mut v = serde_json::to_value(r).expect("row serialises");
         v["unix_time"] = when.into();
         v["host"] = host.clone().into();
-        if let Some(prev) = last.get(&history_key(&v)) {
-            let before = prev["time_us"].as_f64().unwrap_or(0.0);
-            if before > 0.0 && r.time_us > 0.0 {
-                let ratio = before / r.time_us;
-                let verdict = if ratio > 1.05 {
-                    "faster"
-                } else if ratio < 0.95 {
-                    "slower"
-                } else {
-                    "about the same"
-                };
+        let runs = earlier.get(&history_key(&v)).map_or(&[][..], |r| &r[..]);
+        let spreads: Vec<Spread> = runs.iter().filter_map(Spread::of_record).collect();
+        if let (Some(now), Some(last)) = (Spread::of_record(&v), runs.last()) {
+            if let Some(verdict) = Verdict::of(&spreads, now) {
+                let lo = spreads.iter().map(|s| s.median).fold(f64::MAX, f64::min);
+                let hi = spreads.iter().map(|s| s.median).fold(0.0, f64::max);
                 println!(
-                    "# {} {} B: {:.2} us now, {:.2} us last time ({} s ago on {}): {verdict} ({ratio:.2}x)",
+                    "# {} {} ranks {} {} B noise {}: {:.2} us now (repeats {:.2}-{:.2}); last time {:.2} us ({} s ago on {}), the last {} run(s) {:.2}-{:.2} us: {} ({:.2}x the last)",
                     r.op,
+                    r.ranks,
+                    r.transport,
                     r.bytes,
-                    r.time_us,
-                    before,
-                    when.saturating_sub(prev["unix_time"].as_u64().unwrap_or(when)),
-                    prev["host"].as_str().unwrap_or("?")
+                    r.noise,
+                    now.median,
+                    now.fastest,
+                    now.slowest,
+                    last["time_us"].as_f64().unwrap_or(0.0),
+                    when.saturating_sub(last["unix_time"].as_u64().unwrap_or(when)),
+                    last["host"].as_str().unwrap_or("?"),
+                    spreads.len(),
+                    lo,
+                    hi,
+                    verdict.word(),
+                    last["time_us"].as_f64().unwrap_or(0.0) / now.median,
                 );
             }
         }
@@ -823,6 +942,46 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spread(median: f64, fastest: f64, slowest: f64) -> Spread {
+        Spread {
+            median,
+            fastest,
+            slowest,
+        }
+    }
+
+    #[test]
+    fn a_verdict_needs_every_repeat_outside_the_earlier_runs_range() {
+        let earlier = [spread(10.0, 9.0, 12.0), spread(12.0, 11.0, 13.0)];
+        let of = |now| Verdict::of(&earlier, now);
+        assert_eq!(of(spread(5.0, 4.0, 6.0)), Some(Verdict::Faster));
+        assert_eq!(of(spread(20.0, 15.0, 30.0)), Some(Verdict::Slower));
+        // Twice as slow at the median, but one repeat inside the earlier range: not a
+        // regression.
+        assert_eq!(of(spread(20.0, 11.5, 30.0)), Some(Verdict::AboutTheSame));
+        // Inside the range of the earlier runs: the same, though 10 % off the last one.
+        assert_eq!(of(spread(10.8, 10.7, 10.9)), Some(Verdict::AboutTheSame));
+        // Outside the range by under 5 %: the same.
+        assert_eq!(of(spread(12.4, 12.3, 12.5)), Some(Verdict::AboutTheSame));
+        assert_eq!(Verdict::of(&[], spread(1.0, 1.0, 1.0)), None);
+    }
+
+    #[test]
+    fn old_records_without_the_slowest_repeat_or_noise_still_compare() {
+        let old =
+            serde_json::json!({"op": "allreduce", "ranks": 2, "time_us": 8.0, "time_us_min": 7.0});
+        assert_eq!(Spread::of_record(&old), Some(spread(8.0, 7.0, 8.0)));
+        let mut new = old.clone();
+        new["noise"] = 0.into();
+        assert_eq!(history_key(&old), history_key(&new));
+        new["noise"] = 1.into();
+        assert_ne!(history_key(&old), history_key(&new));
+        assert_eq!(
+            Spread::of_record(&serde_json::json!({"time_us": 0.0})),
+            None
+        );
+    }
 
     #[test]
     fn steal_comes_from_the_cpu_line_of_proc_stat() {

@@ -889,3 +889,47 @@ fn hcomm_trace_writes_one_file_per_rank_that_merge_and_summary_read() {
     assert_eq!(code, Some(2));
     assert!(err.contains("hcomm-trace-rank"), "{err}");
 }
+
+#[test]
+fn the_bench_guard_compares_each_case_with_its_last_run() {
+    // Two small runs of scripts/bench-guard.sh (2 cases: 8 B and 4 KiB, 2 ranks, shared
+    // memory, quiet): the first records, the second prints a verdict per case.
+    let dir = tempfile::tempdir().unwrap();
+    let results = dir.path().join("guard.jsonl");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/bench-guard.sh");
+    let run = || {
+        let out = Command::new("timeout")
+            .args(["120", "bash", script])
+            .env("HCOMM_BIN", env!("CARGO_BIN_EXE_hcomm"))
+            .env("RESULTS", &results)
+            .env("RANKS", "2")
+            .env("TRANSPORTS", "shm")
+            .env("NOISE", "0")
+            .env("SIZES", "8,4k")
+            .env("TARGET", "0.002")
+            .env("REPS", "3")
+            .env_remove("HCOMM_RANK")
+            .env_remove("HCOMM_WORLD_SIZE")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let first = run();
+    assert_eq!(first.matches("(first run recorded)").count(), 2, "{first}");
+    let second = run();
+    assert_eq!(second.matches(" last time ").count(), 2, "{second}");
+    assert!(second.contains("# guard: "), "{second}");
+    let rows = std::fs::read_to_string(&results).unwrap();
+    assert_eq!(rows.lines().count(), 4);
+    assert!(
+        rows.lines()
+            .all(|l| l.contains("\"noise\":0") && l.contains("time_us_max")),
+        "{rows}"
+    );
+}
