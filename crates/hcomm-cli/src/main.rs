@@ -187,6 +187,10 @@ struct RunArgs {
     /// Master port (alternative to --master).
     #[arg(long)]
     port: Option<u16>,
+    /// CPU placement: spread (each rank its own share of the CPUs, when ranks do not
+    /// outnumber them) or none (the scheduler's).
+    #[arg(long, default_value = "spread")]
+    bind: hcomm_launch::Bind,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     program: Vec<OsString>,
@@ -367,6 +371,11 @@ struct BenchArgs {
     /// header says so, and the steal time of every size is reported.
     #[arg(long, default_value_t = 0)]
     noise: usize,
+    /// With --np: CPU placement of the ranks, spread (each its own share of the CPUs, when
+    /// they do not outnumber them; the default, as Open MPI binds two ranks to a core each)
+    /// or none.
+    #[arg(long, default_value = "spread")]
+    bind: hcomm_launch::Bind,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -496,6 +505,7 @@ fn cmd_run(a: RunArgs) -> ExitCode {
     spec.grace = Duration::from_millis(a.grace_ms);
     spec.keep_going = a.keep_going;
     spec.master_port = a.port;
+    spec.bind = a.bind;
     if let Some(m) = a.master {
         match m
             .rsplit_once(':')
@@ -941,6 +951,7 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
                 hcomm_cli::workers::NOISE_VAR.to_string(),
                 a.noise.to_string(),
             )],
+            a.bind,
         );
         drop(noise);
         return exit(code);

@@ -1,7 +1,7 @@
 //! Running a subcommand on N local ranks: `hcomm demo -n 4` re-executes itself under the
 //! launcher (without `-n`), and each copy joins the job from the environment.
 
-use hcomm_launch::{launch, LaunchSpec};
+use hcomm_launch::{launch, Bind, LaunchSpec};
 use std::ffi::OsString;
 
 /// True when this process is one rank of a job (the launcher or another launcher set the
@@ -27,15 +27,16 @@ pub fn spawn_self(n: usize, args: Vec<OsString>) -> i32 {
 /// [`spawn_self`]; with `keep_going`, a rank killed by a signal does not stop the others
 /// (`hcomm check --kill`).
 pub fn spawn_self_with(n: usize, args: Vec<OsString>, keep_going: bool) -> i32 {
-    spawn_self_env(n, args, keep_going, Vec::new())
+    spawn_self_env(n, args, keep_going, Vec::new(), Bind::default())
 }
 
-/// [`spawn_self_with`], setting `env` in every rank.
+/// [`spawn_self_with`], setting `env` in every rank and placing the ranks by `bind`.
 pub fn spawn_self_env(
     n: usize,
     args: Vec<OsString>,
     keep_going: bool,
     env: Vec<(String, String)>,
+    bind: Bind,
 ) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(p) => p,
@@ -48,6 +49,7 @@ pub fn spawn_self_env(
     spec.prefix_output = false;
     spec.keep_going = keep_going;
     spec.extra_env = env;
+    spec.bind = bind;
     match launch(&spec) {
         Ok(code) => code,
         Err(e) => {

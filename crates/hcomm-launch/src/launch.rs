@@ -101,6 +101,98 @@ pub struct LaunchSpec {
     /// false): for fault-tolerant programs whose survivors go on without it
     /// (`Communicator::shrink`). A rank that exits with a non-zero code still sets it.
     pub keep_going: bool,
+    /// How the ranks are placed on this node's CPUs (default [`Bind::Spread`]).
+    pub bind: Bind,
+}
+
+/// The variable telling a bound rank how many CPUs the host's ranks share (hcomm's
+/// `HCOMM_CPUS` knob).
+pub const ENV_CPUS: &str = "HCOMM_CPUS";
+
+/// CPU placement of the local ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Bind {
+    /// When the ranks do not outnumber the CPUs the launcher may use, rank `i` of `n` is
+    /// bound to its own share of them (CPUs `i·C/n .. (i+1)·C/n` of the `C` allowed): two
+    /// ranks never share a core, as Open MPI's default `--bind-to core` does for two ranks,
+    /// while a rank on a large machine keeps many cores for its compute threads. More ranks
+    /// than CPUs are left to the scheduler. On a 2-vCPU VM with one busy process beside two
+    /// ranks, unbound ranks could be placed on one core and wait a time slice per exchange.
+    #[default]
+    Spread,
+    /// Leave placement to the scheduler.
+    None,
+}
+
+impl std::str::FromStr for Bind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "spread" => Ok(Bind::Spread),
+            "none" => Ok(Bind::None),
+            _ => Err(format!("'{s}' is not a binding (spread, none)")),
+        }
+    }
+}
+
+/// The CPUs local rank `local` of `nprocs` is bound to under `bind`, out of `allowed` (the
+/// launcher's own CPUs, ascending); `None` when it is left unbound.
+pub fn cpus_for_rank(
+    bind: Bind,
+    local: usize,
+    nprocs: usize,
+    allowed: &[usize],
+) -> Option<Vec<usize>> {
+    let c = allowed.len();
+    if bind == Bind::None || nprocs == 0 || nprocs > c || local >= nprocs {
+        return None;
+    }
+    Some(allowed[local * c / nprocs..(local + 1) * c / nprocs].to_vec())
+}
+
+/// The CPUs this process may run on, ascending.
+fn allowed_cpus() -> Vec<usize> {
+    use nix::sched::{sched_getaffinity, CpuSet};
+    match sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..CpuSet::count())
+            .filter(|&c| set.is_set(c).unwrap_or(false))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The calling thread bound to some CPUs until dropped, when its own CPUs come back: a rank
+/// spawned meanwhile starts bound (no window in which it runs elsewhere, and no code between
+/// fork and exec).
+struct BoundThread(nix::sched::CpuSet);
+
+impl BoundThread {
+    /// Bind this thread to `cpus` (for spawning `rank`); a failure leaves the rank unbound,
+    /// with a warning.
+    fn to(rank: usize, cpus: &[usize]) -> Option<BoundThread> {
+        use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+        let me = Pid::from_raw(0);
+        let before = sched_getaffinity(me).ok()?;
+        let mut set = CpuSet::new();
+        for &c in cpus {
+            set.set(c).ok()?;
+        }
+        match sched_setaffinity(me, &set) {
+            Ok(()) => Some(BoundThread(before)),
+            Err(e) => {
+                eprintln!(
+                    "hcomm run: could not bind rank {rank} to CPUs {cpus:?}: {e}; it runs unbound"
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Drop for BoundThread {
+    fn drop(&mut self) {
+        let _ = nix::sched::sched_setaffinity(Pid::from_raw(0), &self.0);
+    }
 }
 
 impl Default for LaunchSpec {
@@ -117,6 +209,7 @@ impl Default for LaunchSpec {
             prefix_output: true,
             grace: DEFAULT_GRACE,
             keep_going: false,
+            bind: Bind::Spread,
         }
     }
 }
@@ -516,6 +609,8 @@ struct Ctx<'a> {
     token: Option<&'a str>,
     events: &'a Sender<Event>,
     readers_done: &'a Sender<()>,
+    /// The CPUs the launcher may use (for [`LaunchSpec::bind`]).
+    cpus: Vec<usize>,
 }
 
 /// Starts local rank `local` with its output threads and its waiter thread.
@@ -550,12 +645,23 @@ fn spawn_rank(
     if let Some(token) = ctx.token {
         cmd.env(ENV_JOB_TOKEN, token);
     }
+    let cpus = cpus_for_rank(spec.bind, local, spec.nprocs, &ctx.cpus);
+    if cpus.is_some() && std::env::var_os(ENV_CPUS).is_none() {
+        // A rank bound to one CPU must not take that for the job's CPUs (its wait policy).
+        cmd.env(ENV_CPUS, ctx.cpus.len().to_string());
+    }
     cmd.envs(spec.extra_env.iter().map(|(k, v)| (k, v)));
     if ctx.output.piped {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
 
-    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+    // The child inherits the spawning thread's CPUs: bind this thread for the spawn only
+    // (the output threads started below keep the launcher's CPUs).
+    let spawned = {
+        let _bound = cpus.and_then(|cpus| BoundThread::to(rank, &cpus));
+        cmd.spawn()
+    };
+    let mut child = spawned.map_err(|source| LaunchError::Spawn {
         rank,
         program: program.to_owned(),
         source,
@@ -786,6 +892,7 @@ fn run(
             token: token.as_deref(),
             events: &tx,
             readers_done: &readers_done,
+            cpus: allowed_cpus(),
         };
         for local in 0..spec.nprocs {
             match spawn_rank(&ctx, ranks.len(), local, &program_of(local), &mut readers) {
@@ -857,6 +964,23 @@ mod tests {
             Err(LaunchError::InvalidSpec(msg)) => msg,
             other => panic!("expected InvalidSpec, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn spread_gives_each_rank_its_own_share() {
+        let cpus = [2, 3, 6, 7, 9];
+        let share = |local, n| cpus_for_rank(Bind::Spread, local, n, &cpus);
+        assert_eq!(share(0, 2), Some(vec![2, 3]));
+        assert_eq!(share(1, 2), Some(vec![6, 7, 9]));
+        assert_eq!(
+            (0..5).map(|r| share(r, 5).unwrap()).collect::<Vec<_>>(),
+            [[2], [3], [6], [7], [9]]
+        );
+        assert_eq!(share(0, 6), None, "more ranks than CPUs");
+        assert_eq!(cpus_for_rank(Bind::None, 0, 2, &cpus), None);
+        assert_eq!(cpus_for_rank(Bind::Spread, 0, 1, &[]), None);
+        assert_eq!("none".parse::<Bind>(), Ok(Bind::None));
+        assert!("core".parse::<Bind>().unwrap_err().contains("spread, none"));
     }
 
     #[test]

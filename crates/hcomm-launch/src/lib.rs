@@ -5,5 +5,5 @@
 pub mod launch;
 mod logging;
 
-pub use launch::{launch, launch_with_output, LaunchError, LaunchSpec};
+pub use launch::{cpus_for_rank, launch, launch_with_output, Bind, LaunchError, LaunchSpec};
 pub use logging::init_logging;

@@ -399,3 +399,66 @@ fn each_job_gets_a_fresh_token_unless_one_is_given() {
         assert!(err.contains("not authenticated"), "{err}");
     });
 }
+
+/// This process's CPUs, as `/proc/self/status` lists them (`0-1`, `0,2-3`).
+fn cpus_of(list: &str) -> Vec<usize> {
+    list.split(',')
+        .flat_map(|part| match part.split_once('-') {
+            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<usize>>(),
+            None => vec![part.parse().unwrap()],
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_are_bound_to_their_own_share_of_the_cpus() {
+    const SHOW: &str =
+        "echo \"$(grep Cpus_allowed_list /proc/self/status | cut -f2) ${HCOMM_CPUS:-unset}\"";
+    with_timeout(LIMIT, || {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let mine = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .map(|l| cpus_of(l.trim()))
+            .unwrap();
+        let seen = |nprocs: usize, bind: hcomm_launch::Bind| {
+            let mut spec = LaunchSpec::new(nprocs, "sh", ["-c", SHOW]);
+            spec.bind = bind;
+            let run = run_captured(&spec);
+            assert_eq!(run.result.unwrap(), 0, "stderr: {}", run.err);
+            let mut lines: Vec<(usize, Vec<usize>, String)> = run
+                .out
+                .lines()
+                .map(|l| {
+                    let (prefix, rest) = l.split_once("] ").unwrap();
+                    let (cpus, var) = rest.split_once(' ').unwrap();
+                    (prefix[1..].parse().unwrap(), cpus_of(cpus), var.to_string())
+                })
+                .collect();
+            lines.sort();
+            lines
+        };
+        let n = mine.len().min(4);
+        if n >= 2 {
+            // Spread: disjoint shares that together cover the launcher's CPUs in order, and
+            // every rank told how many CPUs the ranks share.
+            let got = seen(n, hcomm_launch::Bind::Spread);
+            let all: Vec<usize> = got.iter().flat_map(|(_, c, _)| c.clone()).collect();
+            assert_eq!(all, mine[..all.len()].to_vec(), "{got:?}");
+            assert_eq!(all.len(), mine.len(), "{got:?}");
+            assert!(got
+                .iter()
+                .all(|(_, c, v)| !c.is_empty() && *v == mine.len().to_string()));
+        }
+        // More ranks than CPUs, or no binding: every rank keeps the launcher's CPUs.
+        for (nprocs, bind) in [
+            (mine.len() + 1, hcomm_launch::Bind::Spread),
+            (2, hcomm_launch::Bind::None),
+        ] {
+            for (_, cpus, var) in seen(nprocs, bind) {
+                assert_eq!(cpus, mine);
+                assert_eq!(var, "unset");
+            }
+        }
+    });
+}

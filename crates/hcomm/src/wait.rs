@@ -15,11 +15,22 @@ pub struct WaitPolicy {
 impl WaitPolicy {
     /// Choose a policy from the number of ranks on this host. `spin_us` (`HCOMM_SPIN_US`,
     /// [`Tuning::spin_us`](crate::config::Tuning::spin_us)) overrides the spin time; ranks
-    /// outnumbering the cores yield instead of spinning.
-    pub fn for_local_ranks(local_ranks: usize, spin_us: Option<u64>) -> WaitPolicy {
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
+    /// outnumbering the cores yield instead of spinning. The cores are `cpus` (`HCOMM_CPUS`,
+    /// [`Tuning::cpus`](crate::config::Tuning::cpus): the CPUs the host's ranks share, which a
+    /// launcher that binds every rank to its own CPUs sets), else this process's CPUs. A
+    /// rank bound to one core must not count one core for the job: it would yield its core
+    /// to whatever else runs there, for a whole time slice per wait (2 ms per 8-byte
+    /// all-reduce, measured beside one busy process).
+    pub fn for_local_ranks(
+        local_ranks: usize,
+        spin_us: Option<u64>,
+        cpus: Option<usize>,
+    ) -> WaitPolicy {
+        let cores = cpus.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
         let oversubscribed = local_ranks > cores;
         let default_us = if oversubscribed { 20 } else { 50 };
         let spin_us = spin_us.unwrap_or(default_us);
@@ -149,6 +160,17 @@ mod tests {
             spin: Duration::from_micros(us),
             yield_cpu: false,
         }
+    }
+
+    #[test]
+    fn ranks_count_against_the_cpus_they_share_when_told() {
+        // Bound to one CPU each, two ranks of a 2-CPU host spin; on one shared CPU they yield.
+        assert!(!WaitPolicy::for_local_ranks(2, None, Some(2)).yield_cpu);
+        assert!(WaitPolicy::for_local_ranks(2, None, Some(1)).yield_cpu);
+        assert_eq!(
+            WaitPolicy::for_local_ranks(2, Some(7), Some(4)).spin,
+            Duration::from_micros(7)
+        );
     }
 
     #[test]

@@ -188,7 +188,7 @@ impl Communicator {
             .len()
             .max(local_size_hint.unwrap_or(0).min(size))
             .max(1);
-        let policy = WaitPolicy::for_local_ranks(local_size, tuning.spin_us);
+        let policy = WaitPolicy::for_local_ranks(local_size, tuning.spin_us, tuning.cpus);
         let mut links = TcpLinks::new(
             rank,
             listener,

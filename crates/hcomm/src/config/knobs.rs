@@ -65,6 +65,18 @@ pub const SPIN_US: Knob = Knob {
     doc: "Microseconds to busy-poll before blocking",
 };
 
+/// `HCOMM_CPUS`.
+pub const CPUS: Knob = Knob {
+    var: "HCOMM_CPUS",
+    accepts: Accepts::Number {
+        unit: "CPUs",
+        range: 1..=1_048_576,
+        or_zero: false,
+    },
+    default: KnobDefault::Described("this process's CPUs (its affinity mask)"),
+    doc: "CPUs the ranks of this host share, against which the wait policy counts them (more ranks than CPUs yield instead of spinning); `hcomm run` sets it when it binds each rank to its own CPUs",
+};
+
 /// The step sizes `HCOMM_SHM_CHUNK` may set (bytes).
 pub const SHM_CHUNK_RANGE: RangeInclusive<usize> = (16 << 10)..=(64 << 20);
 
@@ -154,8 +166,9 @@ pub const TRACE: Knob = Knob {
 };
 
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 9] = [
+pub const KNOBS: [&Knob; 10] = [
     &SPIN_US,
+    &CPUS,
     &SHM_CHUNK,
     &SHM_P2P_BYTES,
     &SOCKET_BUF,
@@ -260,6 +273,9 @@ pub struct Tuning {
     /// which depends on whether the host's ranks outnumber its cores
     /// ([`WaitPolicy::for_local_ranks`](crate::wait::WaitPolicy::for_local_ranks)).
     pub spin_us: Option<u64>,
+    /// `HCOMM_CPUS`: the CPUs the host's ranks share, for the wait policy; `None` for this
+    /// process's own CPUs.
+    pub cpus: Option<usize>,
     /// `HCOMM_SHM_CHUNK`: bytes per pipeline step of the shared-memory collectives, rounded up
     /// to 4 KiB ([`DEFAULT_SHM_CHUNK`] when unset).
     pub shm_chunk: usize,
@@ -296,6 +312,7 @@ impl Default for Tuning {
     fn default() -> Self {
         Tuning {
             spin_us: None,
+            cpus: None,
             shm_chunk: DEFAULT_SHM_CHUNK,
             shm_p2p_bytes: None,
             socket_buf: 0,
@@ -322,6 +339,7 @@ impl Tuning {
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let vars = Vars(get);
         let spin_us = SPIN_US.number(&vars)?.map(|n| n as u64);
+        let cpus = CPUS.number(&vars)?;
         let shm_chunk = SHM_CHUNK
             .number(&vars)?
             .map_or(DEFAULT_SHM_CHUNK, round_to_page);
@@ -370,6 +388,7 @@ impl Tuning {
         };
         Ok(Tuning {
             spin_us,
+            cpus,
             shm_chunk,
             shm_p2p_bytes,
             socket_buf,

@@ -1016,7 +1016,7 @@ mod cpu_tests {
             size: 2,
             chunk: 1 << 16,
         };
-        let policy = WaitPolicy::for_local_ranks(2, None);
+        let policy = WaitPolicy::for_local_ranks(2, None, None);
         let abort = Arc::new(AtomicBool::new(false));
         let g0 = ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap();
         let g1 = ShmGroup::attach(&name, layout, 1, policy, abort).unwrap();
@@ -1042,7 +1042,7 @@ mod cpu_tests {
             size: 2,
             chunk: 1 << 16,
         };
-        let policy = WaitPolicy::for_local_ranks(2, Some(200));
+        let policy = WaitPolicy::for_local_ranks(2, Some(200), None);
         let abort = Arc::new(AtomicBool::new(false));
         let g0 = ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap();
         let g1 = ShmGroup::attach(&name, layout, 1, policy, abort).unwrap();
