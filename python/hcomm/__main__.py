@@ -27,6 +27,12 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--grace-ms", type=int, default=3000, help="milliseconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--keep-going", action="store_true", help="a rank killed by a signal does not stop the others (fault-tolerant programs that shrink)")
+    p.add_argument(
+        "--bind",
+        choices=["spread", "none"],
+        default="spread",
+        help="CPU placement: spread (each rank its own share of the CPUs, when they do not outnumber them) or none",
+    )
     p.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
@@ -63,6 +69,7 @@ def run(argv: Sequence[str]) -> int:
             prefix_output=not a.no_prefix,
             grace_ms=a.grace_ms,
             keep_going=a.keep_going,
+            bind=a.bind,
         )
     except LaunchError as e:
         print(f"hcomm run: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ def launch(
     prefix_output: bool = True,
     grace_ms: int = 3000,
     keep_going: bool = False,
+    bind: str = "spread",
 ) -> int: ...
 
 class Work:

@@ -138,3 +138,28 @@ def test_deterministic_ddp_parameters_do_not_depend_on_buckets_or_hosts():
         assert len(found) == 4, out
         digests += found
     assert len(set(digests)) == 1, digests
+
+
+AFFINITY = (
+    "import os; print('cpus', sorted(os.sched_getaffinity(0)), os.environ.get('HCOMM_CPUS', 'unset'),"
+    " flush=True); print('WORKER OK')"
+)
+
+
+@pytest.mark.parametrize("bind", ["spread", "none"])
+def test_python_launcher_binds_ranks_to_their_own_cpus(bind):
+    # python -m hcomm run binds each of 2 ranks to its own share of the CPUs by default (and
+    # tells them how many the ranks share); --bind none leaves every rank all of them.
+    mine = sorted(os.sched_getaffinity(0))
+    if bind == "spread" and len(mine) < 2:
+        pytest.skip("needs 2 CPUs")
+    launcher = [sys.executable, "-m", "hcomm", "run", "-n", "2", "--bind", bind]
+    out = run_job(2, ["-c", AFFINITY], launcher=launcher, timeout=60)
+    seen = sorted(line.split("cpus ", 1)[1] for line in out.splitlines() if "cpus [" in line)
+    assert len(seen) == 2, out
+    if bind == "none":
+        assert all(s == f"{mine} unset" for s in seen), out
+    else:
+        shares = [json.loads(s.rsplit(" ", 1)[0]) for s in seen]
+        assert sorted(c for share in shares for c in share) == mine, out
+        assert all(s.endswith(f" {len(mine)}") for s in seen), out

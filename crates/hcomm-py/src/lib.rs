@@ -1137,9 +1137,11 @@ impl PySharedMemory {
 }
 
 /// Start `nprocs` local ranks of `program args…` with the hcomm and torch launch variables
-/// set (what `hcomm run` does); returns the first non-zero exit code, or 0.
+/// set (what `hcomm run` does); returns the first non-zero exit code, or 0. `bind` is the
+/// CPU placement: `"spread"` (each rank its own share of the CPUs, when they do not
+/// outnumber them) or `"none"`.
 #[pyfunction]
-#[pyo3(signature = (program, args, nprocs = 1, nnodes = 1, node_rank = 0, master_addr = None, master_port = None, prefix_output = true, grace_ms = 3000, keep_going = false))]
+#[pyo3(signature = (program, args, nprocs = 1, nnodes = 1, node_rank = 0, master_addr = None, master_port = None, prefix_output = true, grace_ms = 3000, keep_going = false, bind = "spread"))]
 #[allow(clippy::too_many_arguments)]
 fn launch(
     py: Python<'_>,
@@ -1153,9 +1155,14 @@ fn launch(
     prefix_output: bool,
     grace_ms: u64,
     keep_going: bool,
+    bind: &str,
 ) -> PyResult<i32> {
-    use hcomm_launch::{launch, LaunchError, LaunchSpec};
+    use hcomm_launch::{launch, Bind, LaunchError, LaunchSpec};
+    let bind: Bind = bind
+        .parse()
+        .map_err(|e: String| pyo3::exceptions::PyValueError::new_err(format!("bind: {e}")))?;
     let mut spec = LaunchSpec::new(nprocs, program, args);
+    spec.bind = bind;
     spec.nnodes = nnodes;
     spec.node_rank = node_rank;
     if let Some(a) = master_addr {
