@@ -14,7 +14,8 @@
 //!
 //! The gathered contributions land in a per-thread buffer kept between calls (the largest
 //! gather so far, up to [`KEPT_SCRATCH_MAX`]: `(n-1)/n S` for an all-reduce, `(n-1) S` on a
-//! reduce's root).
+//! reduce's root); the large all-reduce folds its own segment into a second kept buffer
+//! (`S/n`) before copying it into place.
 //!
 //! Both all-reduce forms fold the same parts in the same order, so switching between them by
 //! size changes no bit.
@@ -39,14 +40,27 @@ thread_local! {
     /// against 86 ms per call, 2 ranks over TCP). It holds the largest gather this thread ran,
     /// up to [`KEPT_SCRATCH_MAX`].
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The large all-reduce's folded segment, kept for the same reason (a fresh `S/n` per call
+    /// was a tenth of a 64 MiB TCP call's profile in page faults and zeroing).
+    static FOLDED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Run `f` with this thread's scratch buffer grown to at least `len` bytes.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    with_kept(&SCRATCH, len, f)
+}
+
+/// Run `f` with `kept` (a buffer of this thread's, kept between calls) grown to at least `len`
+/// bytes; above [`KEPT_SCRATCH_MAX`] with a buffer of its own.
+fn with_kept<R>(
+    kept: &'static std::thread::LocalKey<std::cell::RefCell<Vec<u8>>>,
+    len: usize,
+    f: impl FnOnce(&mut [u8]) -> R,
+) -> R {
     if len > KEPT_SCRATCH_MAX {
         return f(&mut vec![0u8; len]);
     }
-    SCRATCH.with(|s| {
+    kept.with(|s| {
         let mut s = s.borrow_mut();
         if s.len() < len {
             s.resize(len, 0);
@@ -121,9 +135,11 @@ pub fn all_reduce(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> 
         return gather_and_fold(run, &input, &whole, dtype, op, buf, 0);
     }
     let segs = even_segments(count, n, dtype.size());
-    let mut mine = vec![0u8; segs[run.rank].len()];
-    gather_and_fold(run, buf, &segs, dtype, op, &mut mine, 0)?;
-    buf[segs[run.rank].clone()].copy_from_slice(&mine);
+    with_kept(&FOLDED, segs[run.rank].len(), |mine| {
+        gather_and_fold(run, buf, &segs, dtype, op, mine, 0)?;
+        buf[segs[run.rank].clone()].copy_from_slice(mine);
+        Ok::<(), crate::base::error::Error>(())
+    })?;
     ring::all_gather_in_place(run, buf, &segs, 1)
 }
 
