@@ -14,8 +14,10 @@ doing: on a shared VM, check ``vmstat 1`` first.
 """
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -183,3 +185,10 @@ say(f"ok 8 B all_reduce timed on hcomm and gloo ({size} ranks)")
 
 dist.destroy_process_group()
 print("EXAMPLE OK", flush=True)
+# torch 2.15 aborts in its own interpreter teardown now and then ("terminate called without an
+# active exception", SIGABRT after every check above passed and the group was destroyed): one
+# of three CI runs of this example at 3 ranks did on 2026-12-04, as a gloo-only PowerSGD script
+# did in 3 of 30 runs before (tests/python/workers/torch_conformance.py). Not root-caused: leave
+# without that teardown, as that worker does.
+sys.stdout.flush()
+os._exit(0)
