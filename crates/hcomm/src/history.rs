@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use crate::base::deadline::OpStart;
 use crate::base::error::{Error, OpContext};
 
 /// How many finished operations a communicator remembers.
@@ -18,8 +19,9 @@ pub struct OpRecord {
     pub op: &'static str,
     /// The communicator's collective sequence number when it started.
     pub seq: u64,
-    /// How long it took.
-    pub took: Duration,
+    /// How long it took, from its first wait on: `None` when it never had to wait (it ran
+    /// within the spin window, and its clock was never read; see [`crate::base::deadline`]).
+    pub took: Option<Duration>,
     /// The error it ended with; `None` when it succeeded (no allocation per operation).
     pub error: Option<String>,
 }
@@ -28,7 +30,9 @@ pub struct OpRecord {
 pub(crate) struct History {
     rank: usize,
     records: VecDeque<OpRecord>,
-    current: Option<(OpContext, Instant)>,
+    current: Option<OpContext>,
+    /// When the current operation first waited (its deadline counts from there).
+    start: OpStart,
 }
 
 impl History {
@@ -37,26 +41,31 @@ impl History {
             rank,
             records: VecDeque::with_capacity(HISTORY_LEN),
             current: None,
+            start: OpStart::unset(),
         }
     }
 
+    /// Start an operation. Reads no clock: the clock is a visible part of a small
+    /// operation's cost, so the start is read when the operation first waits.
     pub(crate) fn begin(&mut self, ctx: &OpContext) {
-        self.current = Some((ctx.clone(), Instant::now()));
+        self.current = Some(ctx.clone());
+        self.start.clear();
     }
 
-    /// The deadline of the current operation: `timeout` after it began (one clock read per
-    /// operation fewer than reading the clock again; the clock is a visible part of a small
-    /// operation's cost).
+    /// The current operation's start, for a lazy [`Deadline`](crate::base::deadline::Deadline).
+    pub(crate) fn start(&self) -> &OpStart {
+        &self.start
+    }
+
+    /// The deadline of the current operation, `timeout` after its start (read now if no wait
+    /// read it yet).
     pub(crate) fn deadline(&self, timeout: std::time::Duration) -> Instant {
-        self.current
-            .as_ref()
-            .map_or_else(Instant::now, |(_, start)| *start)
-            + timeout
+        self.start.get_or(Instant::now) + timeout
     }
 
     /// Record the end of the current operation; returns a hang report if it timed out.
     pub(crate) fn end(&mut self, outcome: Result<(), &Error>) -> Option<String> {
-        let (ctx, start) = self.current.take()?;
+        let ctx = self.current.take()?;
         let report = match outcome {
             Err(e @ Error::Timeout { .. }) => Some(self.report(&ctx, e)),
             _ => None,
@@ -67,7 +76,7 @@ impl History {
         self.records.push_back(OpRecord {
             op: ctx.op,
             seq: ctx.seq,
-            took: start.elapsed(),
+            took: self.start.get().map(|s| s.elapsed()),
             error: outcome.err().map(|e| e.to_string()),
         });
         report
@@ -86,11 +95,14 @@ impl History {
             s.push_str(" none");
         }
         for r in &self.records {
+            let took = match r.took {
+                Some(t) => format!("{:.3} ms", t.as_secs_f64() * 1e3),
+                None => "no wait".to_string(),
+            };
             s.push_str(&format!(
-                "\n    {} (seq {}) {:.3} ms: {}",
+                "\n    {} (seq {}) {took}: {}",
                 r.op,
                 r.seq,
-                r.took.as_secs_f64() * 1e3,
                 r.error.as_deref().unwrap_or("ok")
             ));
         }
@@ -139,5 +151,30 @@ mod tests {
             "{report}"
         );
         assert_eq!(h.records().last().unwrap().op, "broadcast");
+    }
+
+    #[test]
+    fn an_operation_that_never_waited_records_no_duration() {
+        let mut h = History::new(0);
+        let ctx = OpContext {
+            op: "all_reduce",
+            seq: 0,
+        };
+        h.begin(&ctx);
+        assert!(h.start().get().is_none(), "begin must not read the clock");
+        h.end(Ok(()));
+        assert_eq!(h.records()[0].took, None);
+        h.begin(&OpContext { seq: 1, ..ctx });
+        let deadline = h.deadline(Duration::from_secs(5));
+        let start = h
+            .start()
+            .get()
+            .expect("asking for the deadline reads the start");
+        assert_eq!(deadline, start + Duration::from_secs(5));
+        h.end(Ok(()));
+        assert!(h.records()[1].took.is_some());
+        // The next operation starts unread again.
+        h.begin(&OpContext { seq: 2, ..ctx });
+        assert!(h.start().get().is_none());
     }
 }

@@ -24,11 +24,11 @@ mod schedule_tests;
 pub use crate::base::segments::{count_segments, even_segments, split_two};
 pub use crate::wire::collective::Algo;
 
+use crate::base::deadline::Deadline;
 use crate::base::error::{OpContext, Result};
 use crate::transport::ops::{RecvOp, SendOp, Sink};
 use crate::transport::Links;
 use crate::wire::frame::Header;
-use std::time::Instant;
 
 /// One collective's execution context: the links, who we are, the fingerprint every frame
 /// carries, and the deadline.
@@ -43,10 +43,8 @@ pub struct Run<'a> {
     pub ctx: OpContext,
     /// Fingerprint (kind = Collective); `tag` and `len` are filled per frame.
     pub fp: Header,
-    /// When to give up.
-    pub deadline: Instant,
-    /// The operation's timeout (for messages).
-    pub timeout: std::time::Duration,
+    /// When to give up (and the timeout, for messages).
+    pub deadline: Deadline<'a>,
 }
 
 impl Run<'_> {
@@ -91,6 +89,6 @@ impl Run<'_> {
             })
             .collect();
         self.links
-            .exchange(&self.ctx, &mut s, &mut r, self.deadline)
+            .exchange(&self.ctx, &mut s, &mut r, self.deadline.at())
     }
 }

@@ -39,8 +39,7 @@ fn run_on(
             seq: fp.seq,
         },
         fp,
-        deadline: Instant::now() + within,
-        timeout: within,
+        deadline: crate::base::deadline::Deadline::fixed(Instant::now(), within),
     }
 }
 

@@ -1,7 +1,9 @@
-//! The ground floor: errors, element types, reduction kernels, segment arithmetic and ids.
+//! The ground floor: errors, element types, reduction kernels, segment arithmetic, ids and
+//! deadlines.
 //!
 //! Nothing here imports anything else of the crate; every other layer may import it.
 
+pub mod deadline;
 pub mod dtype;
 pub mod error;
 pub mod ids;

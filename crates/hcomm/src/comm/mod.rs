@@ -38,6 +38,7 @@ pub use p2p::Connection;
 use crate::algo::select::{select, Thresholds, Topology};
 use crate::algo::Run;
 use crate::auth::{ConnectionStats, JobToken};
+use crate::base::deadline::Deadline;
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap::store::{StoreClient, StoreServer};
@@ -106,7 +107,6 @@ impl Call<'_> {
         let w = crate::shm::WaitCtx {
             ctx: &self.run.ctx,
             deadline: self.run.deadline,
-            timeout: self.run.timeout,
         };
         (group, w, fp)
     }
@@ -1023,7 +1023,6 @@ impl Communicator {
         };
         let timeout = self.timeout();
         inner.links.set_op_timeout(timeout);
-        let deadline = inner.history.deadline(timeout);
         let result = {
             let inner = &mut *inner;
             let mut call = Call {
@@ -1033,8 +1032,7 @@ impl Communicator {
                     size: self.size,
                     ctx,
                     fp,
-                    deadline,
-                    timeout,
+                    deadline: Deadline::lazy(inner.history.start(), timeout),
                 },
                 shm: inner.shm.as_mut(),
                 fp_extra: 0,

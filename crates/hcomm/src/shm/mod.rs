@@ -26,6 +26,7 @@ pub mod segment;
 
 pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
 
+use crate::base::deadline::Deadline;
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
 use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, Order};
@@ -151,10 +152,9 @@ pub struct ShmGroup {
 pub struct WaitCtx<'a> {
     /// Operation, for errors.
     pub ctx: &'a OpContext,
-    /// When to give up.
-    pub deadline: Instant,
-    /// The operation's timeout (for the message).
-    pub timeout: Duration,
+    /// When to give up (from the first blocking wait of the operation on), and the timeout
+    /// for the message.
+    pub deadline: Deadline<'a>,
 }
 
 impl ShmGroup {
@@ -349,9 +349,9 @@ impl ShmGroup {
         if reached(ctr.load(Ordering::Acquire), target) {
             return Ok(());
         }
-        let start = Instant::now();
         // Busy phase: spin (or yield when oversubscribed) for the configured time; the clock
-        // is read only every 64 polls so that it does not slow down noticing the peer. Not
+        // is read only every 64 polls, from the 64th on, so that it does not slow down
+        // noticing the peer (a wait that ends within 64 polls reads no clock at all). Not
         // when the peer last waited on this very CPU: it can only arrive once this rank gives
         // the CPU up, so spinning would only delay it (by the whole spin, every call: the
         // "slow mode" of a pair the scheduler put on one core), and sleeping at once lets it
@@ -361,6 +361,7 @@ impl ShmGroup {
         if skip {
             self.spins_skipped.set(self.spins_skipped.get() + 1);
         }
+        let mut start = None;
         'busy: loop {
             if skip {
                 break 'busy;
@@ -375,13 +376,16 @@ impl ShmGroup {
                     return Ok(());
                 }
             }
-            if start.elapsed() >= self.policy.spin {
+            let now = Instant::now();
+            if now.duration_since(*start.get_or_insert(now)) >= self.policy.spin {
                 break 'busy;
             }
         }
-        // Sleep on the peer's counter, checking the deadline, abort and the peer's life.
+        // Sleep on the peer's counter, checking the deadline, abort and the peer's life. The
+        // operation's deadline counts from its first sleep if nothing read it before.
         let waiters = self.seg.atomic_u32(line + WAITERS);
         let mut last_check = Instant::now();
+        let deadline = w.deadline.at_from(|| last_check);
         loop {
             waiters.fetch_add(1, Ordering::Relaxed);
             std::sync::atomic::fence(Ordering::SeqCst);
@@ -402,11 +406,11 @@ impl ShmGroup {
                 return Err(e);
             }
             let now = Instant::now();
-            if now >= w.deadline {
+            if now >= deadline {
                 return Err(Error::Timeout {
                     ctx: w.ctx.clone(),
                     peers: vec![p],
-                    after: w.timeout,
+                    after: w.deadline.timeout(),
                     detail: format!(
                         "shared memory: rank {p} did not arrive (at {} of {target})",
                         ctr.load(Ordering::Relaxed)
@@ -1052,8 +1056,7 @@ mod cpu_tests {
                 let ctx = OpContext::default();
                 let w = WaitCtx {
                     ctx: &ctx,
-                    deadline: Instant::now() + Duration::from_secs(60),
-                    timeout: Duration::from_secs(60),
+                    deadline: Deadline::fixed(Instant::now(), Duration::from_secs(60)),
                 };
                 let peer = 1 - g.rank;
                 for _ in 0..200 {
