@@ -62,7 +62,8 @@ pub const SPIN_US: Knob = Knob {
         or_zero: true,
     },
     default: KnobDefault::Described("`50` (`20`, yielding, when ranks outnumber cores)"),
-    doc: "Microseconds to busy-poll before blocking",
+    doc:
+        "Microseconds to busy-poll before blocking (shared memory: where the learned window starts)",
 };
 
 /// `HCOMM_CPUS`.
