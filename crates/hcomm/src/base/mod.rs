@@ -9,3 +9,6 @@ pub mod error;
 pub mod ids;
 pub mod reduce;
 pub mod segments;
+#[allow(unsafe_code)]
+pub(crate) mod simd;
+pub(crate) mod widen;
