@@ -626,59 +626,82 @@ impl ShmGroup {
             }
             return Ok(());
         }
+        // Software-pipelined, one barrier per step: step j stages chunk j, reduces chunk j-1
+        // (staged in step j-1) and copies chunk j-2 out (reduced in step j-1), then arrives
+        // and waits for all. Two phases per chunk, each followed by a barrier, made every rank
+        // wait for the slowest at twice as many points; this way a rank's work between
+        // barriers is three pieces, and a late peer costs less.
         let chunk = (self.layout.chunk / (n * es) * (n * es)).max(n * es);
-        let mut first = true;
-        let mut o = 0;
-        while o < len {
+        let chunks = len.div_ceil(chunk);
+        let base = self.steps;
+        self.steps += chunks as u64;
+        let at = |c: usize| {
+            let o = c * chunk;
             let l = chunk.min(len - o);
-            let segs = even_segments(l / es, n, es);
-            let par = (self.steps % 2) as usize;
-            self.steps += 1;
-            let inp: &[u8] = match input {
-                Some(i) => &i[o..o + l],
-                None => &out[o..o + l],
-            };
-            // Phase A: stage the slices the peers reduce.
-            for (p, s) in segs.iter().enumerate() {
-                if p != me {
-                    // Protocol: staging (me, par) is ours: its readers finished the step two steps
-                    // ago before arriving at that step's phase B, which we awaited.
-                    self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]);
+            let par = ((base + c as u64) % 2) as usize;
+            (o, l, par, even_segments(l / es, n, es))
+        };
+        let mut first = true;
+        for j in 0..chunks + 2 {
+            if j < chunks {
+                // Stage the slices of chunk j that the peers reduce.
+                let (o, l, par, segs) = at(j);
+                let inp: &[u8] = match input {
+                    Some(i) => &i[o..o + l],
+                    None => &out[o..o + l],
+                };
+                for (p, s) in segs.iter().enumerate() {
+                    if p != me {
+                        // Protocol: staging (me, par) was last read in the reduction of chunk
+                        // j-2, in step j-1, before the readers arrived at step j-1's barrier,
+                        // which this rank awaited.
+                        self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]);
+                    }
                 }
             }
-            self.phase_a(&mut first, fp, w)?;
-            // Reduce our slice, in rank order, into the shared result.
-            let mine = segs[me].clone();
-            let r_off = self.layout.result(par) + mine.start;
-            // Protocol: the result slice of rank `me` is written only by us between this step's
-            // phase A and B; its readers (after phase B two steps ago) arrived at this step's A.
-            let acc = self.seg.view_mut(r_off, mine.len());
-            let contribution = |p: usize| -> &[u8] {
-                if p == me {
-                    &inp[mine.clone()]
-                } else {
-                    // Protocol: published by p's phase-A arrival; p rewrites it only after our
-                    // phase-B arrival of this step.
-                    self.seg
-                        .view(self.layout.staging(p, par) + mine.start, mine.len())
-                }
-            };
-            Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
-            self.read += ((n - 1) * mine.len()) as u64;
-            self.written += mine.len() as u64;
-            // Phase B: everyone's slice is reduced; copy the others' out.
-            self.arrive_and_wait_all(w)?;
-            if writes_out {
+            if (1..=chunks).contains(&j) {
+                // Reduce our slice of chunk j-1, in rank order, into the shared result.
+                let (o, l, par, segs) = at(j - 1);
+                let inp: &[u8] = match input {
+                    Some(i) => &i[o..o + l],
+                    None => &out[o..o + l],
+                };
+                let mine = segs[me].clone();
+                let r_off = self.layout.result(par) + mine.start;
+                // Protocol: our slice of result[par] was last read when chunk j-3 was copied
+                // out, in step j-1, before its readers arrived at that step's barrier.
+                let acc = self.seg.view_mut(r_off, mine.len());
+                let contribution = |p: usize| -> &[u8] {
+                    if p == me {
+                        &inp[mine.clone()]
+                    } else {
+                        // Protocol: published by p's arrival at step j-1's barrier; p
+                        // rewrites it only in step j+1, after our arrival at step j.
+                        self.seg
+                            .view(self.layout.staging(p, par) + mine.start, mine.len())
+                    }
+                };
+                Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
+                self.read += ((n - 1) * mine.len()) as u64;
+                self.written += mine.len() as u64;
+            }
+            if j >= 2 && writes_out {
+                // Every slice of chunk j-2 is reduced: copy them out.
+                let (o, _, par, segs) = at(j - 2);
                 for s in &segs {
-                    // Protocol: result slices were published by the phase-B arrivals we awaited and
-                    // are rewritten only after our next arrival.
+                    // Protocol: reduced in step j-1, published by that step's barrier; the
+                    // owners rewrite result[par] only in step j+1, after our arrival at step j
+                    // (or, after the last step, in a later collective, after our arrival
+                    // there).
                     self.get(
                         self.layout.result(par) + s.start,
                         &mut out[o + s.start..o + s.end],
                     );
                 }
             }
-            o += l;
+            if j <= chunks {
+                self.phase_a(&mut first, fp, w)?;
+            }
         }
         if writes_out && op == ReduceOp::Mean {
             finalize_mean(dtype, out, n);
