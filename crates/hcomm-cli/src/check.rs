@@ -21,6 +21,10 @@ pub struct CheckOpts {
     pub verbose: bool,
     /// Only these algorithms (empty: every algorithm of each collective).
     pub algos: Vec<Algo>,
+    /// Deterministic mode: only the reducing collectives, on random non-integer floats, each
+    /// result bitwise the canonical rank-order fold ([`hcomm::testing::canonical_reference`])
+    /// whatever algorithm is forced.
+    pub deterministic: bool,
 }
 
 impl CheckOpts {
@@ -35,6 +39,7 @@ impl CheckOpts {
             seed: 1,
             verbose: false,
             algos: Vec::new(),
+            deterministic: false,
         }
     }
 
@@ -75,7 +80,7 @@ fn rooted(c: Collective) -> bool {
 /// Every case of the sweep for `n` ranks, in the order all ranks run them.
 pub fn cases(o: &CheckOpts, n: usize) -> Vec<Case> {
     let mut v = Vec::new();
-    for &coll in &o.colls {
+    for &coll in o.colls.iter().filter(|&&c| !o.deterministic || reduces(c)) {
         let counts: &[usize] = if coll == Collective::Barrier {
             &[0]
         } else {
@@ -114,6 +119,7 @@ pub fn cases(o: &CheckOpts, n: usize) -> Vec<Case> {
                                     in_place,
                                     algo,
                                     seed: o.seed,
+                                    deterministic: o.deterministic,
                                 });
                             }
                         }
@@ -147,7 +153,8 @@ pub fn run(comm: &Communicator, o: &CheckOpts) -> Result<(usize, usize)> {
         if let Some(msg) = diff {
             crate::say!("FAIL rank {me} of {n}: {case}: {msg}");
             crate::say!(
-                "     reproduce: hcomm check -np {n} --colls {} --algos {} --dtypes {} --ops {} --counts {} --seed {}",
+                "     reproduce: hcomm check -np {n}{} --colls {} --algos {} --dtypes {} --ops {} --counts {} --seed {}",
+                if case.deterministic { " --deterministic" } else { "" },
                 case.coll.name(),
                 case.algo,
                 case.dtype,
@@ -235,6 +242,7 @@ pub fn soak_case(seed: u64, i: usize, n: usize, supports: &dyn Fn(Algo) -> bool)
         in_place: has_in_place(coll) && g.below(2) == 1,
         algo: algos[g.below(algos.len())],
         seed: g.next() % 1000,
+        deterministic: false,
     }
 }
 

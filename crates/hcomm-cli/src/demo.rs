@@ -49,6 +49,7 @@ pub fn run(comm: &Communicator, bytes: usize, iters: usize) -> Result<Vec<DemoRo
                     in_place: false,
                     algo: Algo::Auto,
                     seed: 3,
+                    deterministic: false,
                 };
                 if let Some(m) = run_case(comm, &case)? {
                     crate::say!("rank {}: {case}: {m}", comm.rank());

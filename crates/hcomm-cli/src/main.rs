@@ -250,6 +250,11 @@ struct CheckArgs {
     /// `hcomm run --keep-going`; `--np` does that itself).
     #[arg(long, value_name = "RANK")]
     kill: Option<usize>,
+    /// Deterministic mode (`HCOMM_DETERMINISTIC`): the reducing collectives only, on random
+    /// non-integer floats (default dtypes f32, f64, f16, bf16), each result bitwise the
+    /// rank-order fold computed on the CPU, whatever algorithm is forced.
+    #[arg(long)]
+    deterministic: bool,
 }
 
 #[derive(Args)]
@@ -600,6 +605,10 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
                 Collective::parse(s).ok_or(format!("unknown collective '{s}'"))
             })?;
         }
+        if a.deterministic {
+            o.deterministic = true;
+            o.dtypes = vec![DType::F32, DType::F64, DType::F16, DType::BF16];
+        }
         if !a.dtypes.is_empty() {
             o.dtypes = parse_list(&a.dtypes, |s| s.parse::<DType>())?;
         }
@@ -668,8 +677,13 @@ fn cmd_check(a: CheckArgs) -> ExitCode {
         Ok((cases, failed)) => {
             if comm.rank() == 0 {
                 println!(
-                    "hcomm check: {} ranks: {cases} cases, {} passed, {failed} failed ({:.1} s)",
+                    "hcomm check: {} ranks{}: {cases} cases, {} passed, {failed} failed ({:.1} s)",
                     comm.world_size(),
+                    if o.deterministic {
+                        ", deterministic"
+                    } else {
+                        ""
+                    },
                     cases - failed,
                     start.elapsed().as_secs_f64()
                 );

@@ -126,6 +126,65 @@ fn check_with_np_starts_its_own_ranks() {
 }
 
 #[test]
+fn deterministic_check_on_one_host() {
+    // The sweep the namespace-cluster test runs on 2 hosts x 2 and 4 hosts x 1, here on one
+    // host of 4 (shared memory) and over TCP: each result bitwise the rank-order fold.
+    for transport in ["auto", "tcp"] {
+        let (code, out, err) = hcomm_env(
+            &[
+                "check",
+                "-np",
+                "4",
+                "--deterministic",
+                "--ops",
+                "sum,mean,max",
+                "--counts",
+                "0,7,1031,600000",
+                "--algos",
+                "hierarchical,ring,chain",
+                "--seed",
+                "5",
+            ],
+            &[("HCOMM_TRANSPORT", transport.into())],
+            Duration::from_secs(300),
+        );
+        assert_eq!(code, Some(0), "{transport}: {out}\n{err}");
+        assert!(
+            out.contains("hcomm check: 4 ranks, deterministic") && out.contains(" 0 failed"),
+            "{transport}: {out}"
+        );
+    }
+}
+
+#[test]
+fn deterministic_check_catches_an_injected_wrong_result() {
+    let (code, _out, err) = hcomm_env(
+        &[
+            "check",
+            "-np",
+            "3",
+            "--deterministic",
+            "--colls",
+            "allreduce",
+            "--dtypes",
+            "f32",
+            "--ops",
+            "sum",
+            "--counts",
+            "100000",
+        ],
+        &[("HCOMM_FAULT_INJECT", "corrupt-one".into())],
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("wrong element")
+            && err.contains("reproduce: hcomm check -np 3 --deterministic"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bench_prints_the_nccl_tests_columns_and_json() {
     let (code, out, err) = hcomm(
         &[

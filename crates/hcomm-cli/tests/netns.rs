@@ -196,6 +196,62 @@ fn two_hosts_of_two_ranks_flat_and_hierarchical() {
     check_on(2, 2, "a", "ring,rd,tree,chain,hierarchical");
 }
 
+/// `hcomm check --deterministic` on a layout: every reduction of random non-integer floats
+/// (f32, f64, f16, bf16; sum, mean, max; 600,000 elements is where the default schedule would
+/// be hierarchical) must be bitwise the rank-order fold the ranks compute on the CPU, so that
+/// every layout gives the same bits.
+const DETERMINISTIC: [&str; 10] = [
+    "check",
+    "--deterministic",
+    "--ops",
+    "sum,mean,max",
+    "--counts",
+    "0,7,1031,600000",
+    "--algos",
+    "hierarchical,ring,chain",
+    "--seed",
+    "5",
+];
+
+#[test]
+fn deterministic_bits_do_not_depend_on_the_host_layout() {
+    // 2 hosts x 2 ranks (the hierarchical layout) with 1 and 3 sockets per peer, and 4 hosts
+    // x 1 rank, against the reference; the CLI tests run the same sweep on 1 host x 4
+    // (`deterministic_check_on_one_host`).
+    for (i, (hosts, local, nsocks)) in [(2, 2, "1"), (2, 2, "3"), (4, 1, "1")]
+        .into_iter()
+        .enumerate()
+    {
+        let Some(c) = Cluster::up(hosts, &format!("f{i}")) else {
+            return;
+        };
+        let env = [("HCOMM_NSOCKS", nsocks)];
+        let kids = (0..hosts)
+            .map(|h| c.node_with(h, hosts, local, port() + i as u16, &DETERMINISTIC, &env))
+            .collect();
+        let res = wait_nodes(kids, Duration::from_secs(240));
+        for (h, (code, out)) in res.iter().enumerate() {
+            assert_eq!(
+                *code,
+                Some(0),
+                "{hosts} x {local}, nsocks {nsocks}, host {h}:\n{out}"
+            );
+        }
+        let summary = &res[0].1;
+        assert!(
+            summary.contains("4 ranks, deterministic") && summary.contains(" 0 failed"),
+            "{summary}"
+        );
+        println!(
+            "{hosts} hosts x {local}, HCOMM_NSOCKS={nsocks}: {}",
+            summary
+                .lines()
+                .find(|l| l.contains("hcomm check"))
+                .unwrap_or("")
+        );
+    }
+}
+
 #[test]
 fn three_hosts_of_one_rank() {
     check_on(3, 1, "b", "ring,rd,tree,chain");

@@ -3,7 +3,10 @@
 //! collective, and helpers to run several ranks as threads of one process.
 //!
 //! Inputs are small integers (also for float types), so every summation order gives exactly the
-//! same result and the comparison with the reference can be bitwise.
+//! same result and the comparison with the reference can be bitwise. Deterministic mode's cases
+//! ([`Case::deterministic`]) take random non-integer floats instead ([`random_input`]), whose
+//! sums do depend on the order, and compare bitwise with the canonical rank-order fold
+//! ([`canonical_reference`]).
 
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
@@ -113,21 +116,37 @@ where
     R: Send,
     F: Fn(Communicator) -> Result<R> + Sync,
 {
+    run_threads_on_hosts_configured(hosts, timeout, |cfg| cfg, f)
+}
+
+/// [`run_threads_on_hosts`] with each rank's configuration passed through `configure` first
+/// (a transport, a number of sockets).
+pub fn run_threads_on_hosts_configured<R, C, F>(
+    hosts: &[&str],
+    timeout: Duration,
+    configure: C,
+    f: F,
+) -> Vec<Result<R>>
+where
+    R: Send,
+    C: Fn(BootstrapConfig) -> BootstrapConfig + Sync,
+    F: Fn(Communicator) -> Result<R> + Sync,
+{
     let port = free_port();
     let n = hosts.len();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
-                let f = &f;
+                let (f, configure) = (&f, &configure);
                 let host = hosts[r].to_string();
                 s.spawn(move || {
                     let local: Vec<usize> = (0..n).filter(|&q| hosts[q] == host).collect();
-                    let cfg = BootstrapConfig {
+                    let cfg = configure(BootstrapConfig {
                         host_id: Some(host.clone()),
                         local_rank: local.iter().position(|&q| q == r),
                         local_world_size: Some(local.len()),
                         ..local_config(r, n, port, timeout)
-                    };
+                    });
                     Communicator::from_config(&cfg).and_then(f)
                 })
             })
@@ -233,6 +252,165 @@ pub fn reference(dtype: DType, op: ReduceOp, n: usize, count: usize, seed: u64) 
     encode(dtype, &vals)
 }
 
+/// Rank `rank`'s input of `count` elements for a deterministic-mode case: random floats that
+/// are not integers (24 random bits, so the order of additions shows in the last bits: small
+/// integers would sum exactly in any order), from `[-1000, 1000)` for `Sum`, `Mean`, `Min` and
+/// `Max`, from `[0.5, 2)` for `Prod` (a product of a few ranks stays finite even in f16).
+/// Integer types get [`input`]'s small integers, whose reductions are exact in any order.
+pub fn random_input(dtype: DType, op: ReduceOp, rank: usize, count: usize, seed: u64) -> Vec<u8> {
+    if !dtype.is_float() {
+        return input(dtype, op, rank, count, seed);
+    }
+    let mut rng = crate::compress::SplitMix64::new(
+        seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ (rank as u64 + 1).wrapping_mul(0x9e37_79b9),
+    );
+    let vals: Vec<f64> = (0..count)
+        .map(|_| {
+            let u = rng.next_unit_f32() as f64;
+            if op == ReduceOp::Prod {
+                0.5 + 1.5 * u
+            } else {
+                (u - 0.5) * 2000.0
+            }
+        })
+        .collect();
+    encode_rounded(dtype, &vals)
+}
+
+/// Encode f64 values as `dtype` bytes, rounded to the nearest (floats only).
+fn encode_rounded(dtype: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+            _ => unreachable!("encode_rounded is for floats"),
+        }
+    }
+    out
+}
+
+/// The canonical expression of deterministic mode, computed plainly, one element at a time:
+/// rank 0's element, combined with rank 1's, then rank 2's, … in rank order; f32 and f64 in
+/// their own precision, f16 and bf16 widened to f32 and rounded once at the end; `Mean` is the
+/// rounded sum divided by `n` (in f32 for the 16-bit floats) and rounded again. Inputs are
+/// [`random_input`]'s. Integer types: [`reference`] (exact).
+pub fn canonical_reference(
+    dtype: DType,
+    op: ReduceOp,
+    n: usize,
+    count: usize,
+    seed: u64,
+) -> Vec<u8> {
+    if !dtype.is_float() {
+        return reference(dtype, op, n, count, seed);
+    }
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| random_input(dtype, op, r, count, seed))
+        .collect();
+    let es = dtype.size();
+    let mut out = Vec::with_capacity(count * es);
+    for i in 0..count {
+        let at = |r: usize| &inputs[r][i * es..(i + 1) * es];
+        match dtype {
+            DType::F64 => {
+                let x = |r| f64::from_le_bytes(at(r).try_into().unwrap());
+                let mut acc = x(0);
+                for r in 1..n {
+                    acc = combine_f64(op, acc, x(r));
+                }
+                if op == ReduceOp::Mean {
+                    acc /= n as f64;
+                }
+                out.extend_from_slice(&acc.to_le_bytes());
+            }
+            _ => {
+                let x = |r: usize| -> f32 {
+                    let b: [u8; 2] = at(r).try_into().unwrap_or([0, 0]);
+                    match dtype {
+                        DType::F32 => f32::from_le_bytes(at(r).try_into().unwrap()),
+                        DType::F16 => f16::from_le_bytes(b).to_f32(),
+                        _ => bf16::from_le_bytes(b).to_f32(),
+                    }
+                };
+                let mut acc = x(0);
+                for r in 1..n {
+                    acc = combine_f32(op, acc, x(r));
+                }
+                match dtype {
+                    DType::F32 => {
+                        if op == ReduceOp::Mean {
+                            acc /= n as f32;
+                        }
+                        out.extend_from_slice(&acc.to_le_bytes());
+                    }
+                    DType::F16 => {
+                        let mut h = f16::from_f32(acc);
+                        if op == ReduceOp::Mean {
+                            h = f16::from_f32(h.to_f32() / n as f32);
+                        }
+                        out.extend_from_slice(&h.to_le_bytes());
+                    }
+                    _ => {
+                        let mut h = bf16::from_f32(acc);
+                        if op == ReduceOp::Mean {
+                            h = bf16::from_f32(h.to_f32() / n as f32);
+                        }
+                        out.extend_from_slice(&h.to_le_bytes());
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn combine_f32(op: ReduceOp, a: f32, b: f32) -> f32 {
+    // Min and Max keep the accumulated value on ties (the sign of a zero included).
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => a + b,
+        ReduceOp::Prod => a * b,
+        ReduceOp::Min => {
+            if b < a {
+                b
+            } else {
+                a
+            }
+        }
+        ReduceOp::Max => {
+            if b > a {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
+fn combine_f64(op: ReduceOp, a: f64, b: f64) -> f64 {
+    // Min and Max keep the accumulated value on ties (the sign of a zero included).
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => a + b,
+        ReduceOp::Prod => a * b,
+        ReduceOp::Min => {
+            if b < a {
+                b
+            } else {
+                a
+            }
+        }
+        ReduceOp::Max => {
+            if b > a {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
 /// One correctness case.
 #[derive(Clone, Debug)]
 pub struct Case {
@@ -252,6 +430,10 @@ pub struct Case {
     pub algo: Algo,
     /// Seed of the inputs.
     pub seed: u64,
+    /// Deterministic mode: the communicator reduces in the canonical order
+    /// ([`Communicator::set_deterministic`]), the float inputs are [`random_input`]'s and the
+    /// result must be bitwise [`canonical_reference`]'s, whatever `algo` asks for.
+    pub deterministic: bool,
 }
 
 impl std::fmt::Display for Case {
@@ -354,7 +536,23 @@ pub fn run_case(comm: &Communicator, case: &Case) -> Result<Option<String>> {
     let (dt, op, c, root, seed) = (case.dtype, case.op, case.count, case.root, case.seed);
     let es = dt.size();
     comm.set_algorithm(case.coll, case.algo)?;
-    let inp = |r: usize, cnt: usize| input(dt, op, r, cnt, seed);
+    if case.deterministic != comm.is_deterministic() {
+        comm.set_deterministic(case.deterministic);
+    }
+    let inp = |r: usize, cnt: usize| {
+        if case.deterministic {
+            random_input(dt, op, r, cnt, seed)
+        } else {
+            input(dt, op, r, cnt, seed)
+        }
+    };
+    let reference = |dt, op, n, cnt, seed| {
+        if case.deterministic {
+            canonical_reference(dt, op, n, cnt, seed)
+        } else {
+            reference(dt, op, n, cnt, seed)
+        }
+    };
     let diff = match case.coll {
         Collective::AllReduce => {
             let send = inp(me, c);

@@ -695,3 +695,309 @@ fn compressed_all_reduce_gives_the_same_bits_on_every_layout() {
         "int8 gave the same bits hierarchically and flat"
     );
 }
+
+/// Where the property test's ranks run: `hosts` names each rank's host (ranks of one host
+/// share memory unless `transport` is TCP), with `nsocks` sockets per TCP peer.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    hosts: &'static [&'static str],
+    transport: TransportKind,
+    nsocks: usize,
+}
+
+const LAYOUTS: &[Layout] = &[
+    Layout {
+        hosts: &["a"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a", "a"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a", "a", "a"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a"],
+        transport: TransportKind::Tcp,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a", "a"],
+        transport: TransportKind::Tcp,
+        nsocks: 2,
+    },
+    Layout {
+        hosts: &["a", "a", "a", "a"],
+        transport: TransportKind::Tcp,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "a", "a", "a", "a"],
+        transport: TransportKind::Tcp,
+        nsocks: 3,
+    },
+    // Two hosts of two: the hierarchical layout (shared memory within, TCP across).
+    Layout {
+        hosts: &["a", "a", "b", "b"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    // Hosts interleaved, and uneven hosts: no hierarchy, a mix of shared-memory and TCP links.
+    Layout {
+        hosts: &["a", "b", "a", "b"],
+        transport: TransportKind::Auto,
+        nsocks: 1,
+    },
+    Layout {
+        hosts: &["a", "b", "b"],
+        transport: TransportKind::Auto,
+        nsocks: 2,
+    },
+];
+
+const REDUCING: [Collective; 3] = [
+    Collective::AllReduce,
+    Collective::ReduceScatter,
+    Collective::Reduce,
+];
+const FLOATS: [hcomm::DType; 4] = [
+    hcomm::DType::F32,
+    hcomm::DType::F64,
+    hcomm::DType::F16,
+    hcomm::DType::BF16,
+];
+
+/// One operation of the property test, as drawn: which collective, dtype and op, how many
+/// elements, where the slice starts inside the generated vectors (`offset`: the same element
+/// travels in another segment, chunk or stripe), which algorithm is forced (an index into the
+/// collective's algorithms plus `Auto`), in place or not, and the root.
+#[derive(Clone, Debug)]
+struct Drawn {
+    coll: usize,
+    dtype: usize,
+    op: usize,
+    count: usize,
+    offset: usize,
+    algo: usize,
+    in_place: bool,
+    root: usize,
+}
+
+fn drawn() -> impl proptest::strategy::Strategy<Value = Drawn> {
+    use proptest::prelude::*;
+    // Mostly below the small schedule's limit (64 KiB), some across it, a few large
+    // (several segments per rank, striped over the sockets).
+    let count = prop_oneof![
+        6 => 0usize..3000,
+        3 => 3000usize..40_000,
+        1 => 40_000usize..400_000,
+    ];
+    (
+        0..3usize,
+        0..4usize,
+        0..5usize,
+        count,
+        0..9usize,
+        0..8usize,
+        any::<bool>(),
+        0..8usize,
+    )
+        .prop_map(
+            |(coll, dtype, op, count, offset, algo, in_place, root)| Drawn {
+                coll,
+                dtype,
+                op,
+                count,
+                offset,
+                algo,
+                in_place,
+                root,
+            },
+        )
+}
+
+/// Run `d` in deterministic mode on `c`; the first difference from the canonical reference
+/// (computed here, sequentially, from every rank's regenerated input), or `None`.
+fn run_drawn(c: &Communicator, d: &Drawn, seed: u64) -> hcomm::Result<Option<String>> {
+    use hcomm::testing::{canonical_reference, random_input};
+    let (n, me) = (c.world_size(), c.rank());
+    let coll = REDUCING[d.coll];
+    let (dt, op) = (FLOATS[d.dtype], ReduceOp::ALL[d.op]);
+    let es = dt.size();
+    let algos: Vec<Algo> = std::iter::once(Algo::Auto)
+        .chain(coll.algorithms().iter().copied())
+        .collect();
+    let algo = algos[d.algo % algos.len()];
+    c.set_algorithm(coll, if c.supports(algo) { algo } else { Algo::Auto })?;
+    // `whole` elements per rank are generated; the operation takes `count` of them from
+    // `offset` on (all-reduce and reduce), or `count` per rank from `offset * n` on
+    // (reduce-scatter).
+    let per = if coll == Collective::ReduceScatter {
+        n
+    } else {
+        1
+    };
+    let (from, len) = (d.offset * per, d.count * per);
+    let whole = from + len + 3;
+    let mine = &random_input(dt, op, me, whole, seed)[from * es..(from + len) * es];
+    let want_all = &canonical_reference(dt, op, n, whole, seed)[from * es..(from + len) * es];
+    let (got, want) = match coll {
+        Collective::AllReduce => {
+            let mut out = mine.to_vec();
+            if d.in_place {
+                c.all_reduce_bytes(None, &mut out, dt, op)?;
+            } else {
+                c.all_reduce_bytes(Some(mine), &mut out, dt, op)?;
+            }
+            (out, want_all.to_vec())
+        }
+        Collective::ReduceScatter => {
+            let block = d.count * es;
+            let want = want_all[me * block..(me + 1) * block].to_vec();
+            let counts = vec![d.count; n];
+            if d.in_place {
+                let mut buf = mine.to_vec();
+                c.reduce_scatter_v_bytes(None, &mut buf, &counts, dt, op)?;
+                (buf[me * block..(me + 1) * block].to_vec(), want)
+            } else {
+                let mut out = vec![0u8; block];
+                c.reduce_scatter_v_bytes(Some(mine), &mut out, &counts, dt, op)?;
+                (out, want)
+            }
+        }
+        _ => {
+            let root = d.root % n;
+            let mut out = if d.in_place {
+                mine.to_vec()
+            } else {
+                vec![0u8; if me == root { mine.len() } else { 0 }]
+            };
+            if d.in_place {
+                c.reduce_bytes(None, &mut out, dt, op, root)?;
+            } else {
+                c.reduce_bytes(Some(mine), &mut out, dt, op, root)?;
+            }
+            if me != root {
+                return Ok(None);
+            }
+            (out, want_all.to_vec())
+        }
+    };
+    let wrong = (0..got.len() / es.max(1))
+        .filter(|&i| got[i * es..(i + 1) * es] != want[i * es..(i + 1) * es])
+        .count();
+    Ok((wrong > 0 || got.len() != want.len()).then(|| {
+        format!(
+            "{} {dt} {op} count {} offset {} algo {algo} in_place {}: {wrong} of {} elements differ from the rank-order fold",
+            coll.name(),
+            d.count,
+            d.offset,
+            d.in_place,
+            want.len() / es.max(1)
+        )
+    }))
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+    /// The property: random non-integer floats (f32, f64, f16, bf16), every reducing
+    /// collective and op, any forced algorithm, sizes on both sides of the schedules' limits,
+    /// offsets into the vectors, in place or not, on one host (shared memory), over TCP with
+    /// 1-3 sockets per peer, on two hosts of two (hierarchical) and on mixed layouts: every
+    /// result is bitwise the plain sequential rank-order fold.
+    #[test]
+    fn any_layout_algorithm_size_and_offset_gives_the_rank_order_fold(
+        layout in 0..LAYOUTS.len(),
+        ops in proptest::collection::vec(drawn(), 1..6),
+        seed in 0u64..1_000_000,
+    ) {
+        let l = LAYOUTS[layout];
+        let results = hcomm::testing::run_threads_on_hosts_configured(
+            l.hosts,
+            T,
+            |cfg| BootstrapConfig { transport: l.transport, nsocks: l.nsocks, ..cfg },
+            |c| {
+                c.set_deterministic(true);
+                let mut wrong = Vec::new();
+                for (k, d) in ops.iter().enumerate() {
+                    if let Some(m) = run_drawn(&c, d, seed + k as u64)? {
+                        wrong.push(m);
+                    }
+                }
+                Ok(wrong)
+            },
+        );
+        for (r, w) in expect_all(results).into_iter().enumerate() {
+            proptest::prop_assert!(w.is_empty(), "{l:?}, rank {r}: {w:?}");
+        }
+    }
+}
+
+#[test]
+fn f32_accumulation_of_halves_is_closer_to_the_exact_sum() {
+    // Random non-integer f16 and bf16 on 4 ranks over TCP (ring and recursive doubling round
+    // at every step): with HCOMM_ACCUMULATE=f32 every element is the half nearest to the f32
+    // fold (so within half an ulp of the exact sum, up to the f32 fold's own error), and the
+    // total error over the vector is smaller than the step-wise rounding's.
+    use hcomm::testing::random_input;
+    let n = 4;
+    for dt in [hcomm::DType::F16, hcomm::DType::BF16] {
+        let count = 20_000;
+        let to_f64 = |b: &[u8]| -> Vec<f64> {
+            b.chunks(2)
+                .map(|h| {
+                    let h = [h[0], h[1]];
+                    if dt == hcomm::DType::F16 {
+                        half::f16::from_le_bytes(h).to_f64()
+                    } else {
+                        bf16::from_le_bytes(h).to_f64()
+                    }
+                })
+                .collect()
+        };
+        let inputs: Vec<Vec<f64>> = (0..n)
+            .map(|r| to_f64(&random_input(dt, ReduceOp::Sum, r, count, 5)))
+            .collect();
+        let exact: Vec<f64> = (0..count)
+            .map(|i| inputs.iter().map(|x| x[i]).sum())
+            .collect();
+        let error = |algo: Algo, widened: bool| -> f64 {
+            let got = expect_all(run_threads_configured(
+                n,
+                T,
+                |cfg| BootstrapConfig {
+                    transport: TransportKind::Tcp,
+                    ..cfg
+                },
+                |c| {
+                    c.set_accumulate_f32(widened);
+                    c.set_algorithm(Collective::AllReduce, algo)?;
+                    let mut buf = random_input(dt, ReduceOp::Sum, c.rank(), count, 5);
+                    c.all_reduce_bytes(None, &mut buf, dt, ReduceOp::Sum)?;
+                    Ok(to_f64(&buf))
+                },
+            ))
+            .swap_remove(0);
+            got.iter().zip(&exact).map(|(g, e)| (g - e).abs()).sum()
+        };
+        let widened = error(Algo::Auto, true);
+        for algo in [Algo::Ring, Algo::RecursiveDoubling] {
+            let stepwise = error(algo, false);
+            assert!(
+                widened < stepwise,
+                "{dt}: f32 accumulation's total error {widened} is not below {algo}'s {stepwise}"
+            );
+        }
+    }
+}

@@ -627,6 +627,7 @@ fn kill_matrix_worker() {
         in_place: false,
         algo: hcomm::Algo::Auto,
         seed: 3,
+        deterministic: false,
     };
     let start = Instant::now();
     let mut calls = 0;
