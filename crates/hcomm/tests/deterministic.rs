@@ -1001,3 +1001,79 @@ fn f32_accumulation_of_halves_is_closer_to_the_exact_sum() {
         }
     }
 }
+
+/// Deterministic all-reduces of `cases` (dtype, op, elements) of random non-integer floats on
+/// ranks laid out on `hosts`, with f16/bf16 accumulated in f32 instead of the whole mode when
+/// `accumulate_only`: what differs from the rank-order fold, and the algorithm each ran.
+fn on_hosts(
+    hosts: &[&str],
+    accumulate_only: bool,
+    cases: &[(hcomm::DType, ReduceOp, usize)],
+) -> Vec<(Vec<String>, Vec<Algo>)> {
+    use hcomm::testing::{canonical_reference, random_input};
+    let n = hosts.len();
+    expect_all(run_threads_on_hosts(hosts, T, |c| {
+        if accumulate_only {
+            c.set_accumulate_f32(true);
+        } else {
+            c.set_deterministic(true);
+        }
+        let (mut wrong, mut algos) = (Vec::new(), Vec::new());
+        for (k, &(dt, op, count)) in cases.iter().enumerate() {
+            algos.push(c.algorithm_for_dtype(Collective::AllReduce, count * dt.size(), dt));
+            let seed = 40 + k as u64;
+            let mut buf = random_input(dt, op, c.rank(), count, seed);
+            c.all_reduce_bytes(None, &mut buf, dt, op)?;
+            if buf != canonical_reference(dt, op, n, count, seed) {
+                wrong.push(format!("{dt} {op} {count}"));
+            }
+        }
+        Ok((wrong, algos))
+    }))
+}
+
+#[test]
+fn the_canonical_hierarchical_all_reduce_gives_the_rank_order_fold() {
+    // Hosts of consecutive ranks, from 2 MiB on: the chain of hosts (2 hosts, 3 hosts: a
+    // middle one that passes both ways, 3 ranks per host), uneven segments, a short last
+    // chunk of the chain, f16/bf16 carried forward in f32; and interleaved hosts, which keep
+    // the flat schedule.
+    use hcomm::DType::{BF16, F16, F32, F64};
+    let cases = [
+        (F32, ReduceOp::Sum, 600_001),
+        (F64, ReduceOp::Mean, 300_007),
+        (F16, ReduceOp::Sum, 1_100_003),
+        (BF16, ReduceOp::Max, 1_048_583),
+        (F32, ReduceOp::Prod, 524_288),
+    ];
+    for (hosts, want) in [
+        (&["a", "a", "b", "b"][..], Algo::Hierarchical),
+        (&["a", "a", "b", "b", "c", "c"][..], Algo::Hierarchical),
+        (&["a", "a", "a", "b", "b", "b"][..], Algo::Hierarchical),
+        (&["a", "b", "a", "b"][..], Algo::Canonical),
+    ] {
+        for (r, (wrong, algos)) in on_hosts(hosts, false, &cases).into_iter().enumerate() {
+            assert!(wrong.is_empty(), "{hosts:?} rank {r}: {wrong:?}");
+            assert!(algos.iter().all(|&a| a == want), "{hosts:?}: {algos:?}");
+        }
+    }
+}
+
+#[test]
+fn accumulating_halves_in_f32_on_hosts_rounds_once() {
+    // HCOMM_ACCUMULATE=f32 alone on 2 hosts x 2, 3 MiB of f16 and bf16: the canonical
+    // hierarchical schedule. The hierarchical all-reduce used to be chosen here by the f32
+    // rule and rounded each host's sum before adding the hosts (found 2026-12-05).
+    use hcomm::DType::{BF16, F16};
+    let cases = [
+        (F16, ReduceOp::Sum, 1_572_864),
+        (BF16, ReduceOp::Sum, 1_572_867),
+    ];
+    for (r, (wrong, algos)) in on_hosts(&["a", "a", "b", "b"], true, &cases)
+        .into_iter()
+        .enumerate()
+    {
+        assert!(wrong.is_empty(), "rank {r}: {wrong:?}");
+        assert_eq!(algos, [Algo::Hierarchical; 2]);
+    }
+}

@@ -11,6 +11,13 @@
 //!   rank, as the ring, with `(n-1)/n S` of scratch.
 //! * **reduce-scatter**: the first half of the above.
 //! * **reduce**: the root gathers every vector and folds (`(n-1) S` into the root).
+//! * **all-reduce across hosts of consecutive ranks** (the communicator's part is
+//!   `Communicator::all_reduce_canonical_hierarchical`): within each host, rank `l` gathers
+//!   segment `l` from the host's ranks; along the chain of hosts ([`host_chain`]) the
+//!   same-index ranks fold that segment in host order, passing the partial fold (the
+//!   accumulator: f32 for f16/bf16) forward and the result back; within each host, an
+//!   all-gather. A host sends `S` forward and `S` back (the hierarchical all-reduce's bytes),
+//!   where the flat schedule would send `S (2 - 2/n + …)` from each host.
 //!
 //! The gathered contributions land in a per-thread buffer kept between calls (the largest
 //! gather so far, up to [`KEPT_SCRATCH_MAX`]: `(n-1)/n S` for an all-reduce, `(n-1) S` on a
@@ -23,7 +30,9 @@
 use super::{ring, Run};
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
-use crate::base::reduce::fold_in_order;
+use crate::base::reduce::{
+    accumulator_size, fold_in_order, fold_into_accumulator, round_accumulator,
+};
 use crate::base::segments::even_segments;
 use crate::transport::ops::Sink;
 use std::ops::Range;
@@ -43,6 +52,15 @@ thread_local! {
     /// The large all-reduce's folded segment, kept for the same reason (a fresh `S/n` per call
     /// was a tenth of a 64 MiB TCP call's profile in page faults and zeroing).
     static FOLDED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The host's contributions to this rank's segment in the canonical hierarchical
+    /// all-reduce (`S` bytes), kept for the same reason.
+    static HOST_PARTS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Run `f` with this thread's buffer for the host's contributions (the canonical hierarchical
+/// all-reduce's within-host gather) grown to at least `len` bytes; kept between calls.
+pub fn with_host_parts<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    with_kept(&HOST_PARTS, len, f)
 }
 
 /// Run `f` with this thread's scratch buffer grown to at least `len` bytes.
@@ -141,6 +159,119 @@ pub fn all_reduce(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> 
         Ok::<(), crate::base::error::Error>(())
     })?;
     ring::all_gather_in_place(run, buf, &segs, 1)
+}
+
+/// Accumulator bytes per message of [`host_chain`]: the chain is pipelined in chunks of this
+/// size, so a host passes a chunk on while the next arrives.
+pub const CHAIN_CHUNK: usize = 256 << 10;
+
+/// The hosts' part of the canonical hierarchical all-reduce, on the communicator of one rank
+/// per host (its rank order is the hosts' order, each host holding consecutive ranks of the
+/// whole): this rank's `parts` are its host's contributions to one segment, in rank order, and
+/// `out` (elements of `dtype`, as long as each part) receives the fold of every host's parts
+/// in host order, which is the canonical fold over every rank of the whole.
+///
+/// Host 0 folds its parts into the accumulator and sends it to host 1, which folds its own
+/// parts onto it ([`fold_into_accumulator`]) and passes it on; the last host rounds
+/// ([`round_accumulator`]) and sends the result back down the chain, each host keeping a copy.
+/// Both directions run at once, in chunks of [`CHAIN_CHUNK`]: at tick `t` host `h` folds chunk
+/// `t - h` (received at tick `t - 1`) and sends it forward while chunk `t - h + 1` arrives; the
+/// result of chunk `b` leaves the last host at tick `b + H - 1` and reaches host `g` at tick
+/// `b + 2(H - 1) - g - 1`. `chunks + 2(H - 1) - 1` ticks in all.
+pub fn host_chain(
+    run: &mut Run,
+    parts: &[&[u8]],
+    out: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (hosts, h) = (run.size, run.rank);
+    let (es, ws) = (dtype.size(), accumulator_size(dtype));
+    let count = out.len() / es;
+    if hosts == 1 {
+        fold_in_order(dtype, op, out, parts);
+        return Ok(());
+    }
+    if count == 0 {
+        return Ok(());
+    }
+    let per_chunk = (CHAIN_CHUNK / ws).max(1);
+    let chunks = count.div_ceil(per_chunk);
+    let range = |k: usize| k * per_chunk..((k + 1) * per_chunk).min(count);
+    let last = hosts - 1;
+    // The chunk index `t - shift` at tick `t`, when it is one.
+    let chunk = |t: usize, shift: isize| -> Option<usize> {
+        let k = t as isize - shift;
+        (k >= 0 && (k as usize) < chunks).then_some(k as usize)
+    };
+    // Two accumulators: the chunk folded this tick (`k % 2`) and the one arriving for the next.
+    let mut acc = [
+        vec![0u8; per_chunk.min(count) * ws],
+        vec![0u8; per_chunk.min(count) * ws],
+    ];
+    for t in 0..chunks + 2 * last - 1 {
+        let fold = chunk(t, h as isize);
+        let arriving = if h > 0 {
+            chunk(t, h as isize - 1)
+        } else {
+            None
+        };
+        let (back_in, back_out) = if h < last {
+            let from = 2 * last as isize - h as isize;
+            (
+                chunk(t, from - 1),
+                if h > 0 { chunk(t, from) } else { None },
+            )
+        } else {
+            (None, fold)
+        };
+        if let Some(k) = fold {
+            let r = range(k);
+            let bytes = r.start * es..r.end * es;
+            let mine: Vec<&[u8]> = parts.iter().map(|p| &p[bytes.clone()]).collect();
+            let a = &mut acc[k % 2][..r.len() * ws];
+            fold_into_accumulator(dtype, op, a, h > 0, &mine);
+            if h == last {
+                round_accumulator(dtype, a, &mut out[bytes]);
+            }
+        }
+        let mut sends: Vec<(usize, u32, &[u8])> = Vec::new();
+        let mut recvs: Vec<(usize, u32, Sink)> = Vec::new();
+        let [even, odd] = &mut acc;
+        let (folded, incoming) = match fold.or(arriving.map(|k| k + 1)) {
+            Some(k) if k % 2 == 1 => (&*odd, even),
+            _ => (&*even, odd),
+        };
+        if let (Some(k), true) = (fold, h < last) {
+            sends.push((h + 1, 2 * t as u32, &folded[..range(k).len() * ws]));
+        }
+        if let Some(k) = arriving {
+            recvs.push((
+                h - 1,
+                2 * t as u32,
+                Sink::Buf(&mut incoming[..range(k).len() * ws]),
+            ));
+        }
+        // The result travels back in `out`: chunk `back_out` (received at the last tick, or
+        // folded at this one on the last host) goes down while chunk `back_in` comes up.
+        let split = back_in.map_or(out.len(), |k| range(k).start * es);
+        let (below, above) = out.split_at_mut(split);
+        if let (Some(k), true) = (back_out, h > 0) {
+            let r = range(k);
+            sends.push((h - 1, 2 * t as u32 + 1, &below[r.start * es..r.end * es]));
+        }
+        if let Some(k) = back_in {
+            recvs.push((
+                h + 1,
+                2 * t as u32 + 1,
+                Sink::Buf(&mut above[..range(k).len() * es]),
+            ));
+        }
+        if !sends.is_empty() || !recvs.is_empty() {
+            run.exchange(sends, recvs)?;
+        }
+    }
+    Ok(())
 }
 
 /// Canonical reduce-scatter: `out` receives the fold of segment `segs[rank]` of every rank's

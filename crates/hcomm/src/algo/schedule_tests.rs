@@ -692,3 +692,57 @@ fn the_default_schedules_do_depend_on_the_order() {
     };
     assert_ne!(run_with(Algo::Ring), run_with(Algo::RecursiveDoubling));
 }
+
+/// The hosts' chain of the canonical hierarchical all-reduce on `hosts` hosts of `local`
+/// ranks each: host `h`'s parts are ranks `h·local..(h+1)·local`'s vectors; every host must
+/// end with the rank-order fold of all of them.
+fn host_chain(hosts: usize, local: usize, dtype: DType, op: ReduceOp, count: usize, seed: u64) {
+    let n = hosts * local;
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| random_floats(dtype, r, count, seed))
+        .collect();
+    let want = canonical_reference(dtype, op, &inputs);
+    let outs = world(
+        hosts,
+        fp(
+            Collective::AllReduce,
+            Algo::Hierarchical,
+            dtype,
+            Some(op),
+            None,
+            count,
+        ),
+        |run, h| {
+            let parts: Vec<&[u8]> = inputs[h * local..(h + 1) * local]
+                .iter()
+                .map(Vec::as_slice)
+                .collect();
+            let mut out = vec![0u8; count * dtype.size()];
+            super::canonical::host_chain(run, &parts, &mut out, dtype, op)?;
+            Ok(out)
+        },
+    );
+    for (h, got) in outs.iter().enumerate() {
+        assert!(
+            got == &want,
+            "host chain {dtype} {op} count {count}, {hosts} hosts x {local}: host {h} differs"
+        );
+    }
+}
+
+#[test]
+fn the_hosts_chain_gives_the_rank_order_expression() {
+    // 1 to 6 hosts of 1 to 3 ranks; counts from none to several chunks of the chain (a short
+    // last one), so that forward and backward chunks cross in the middle hosts.
+    let per_chunk = super::canonical::CHAIN_CHUNK / 4;
+    for hosts in 1..=6 {
+        for local in 1..=3 {
+            for count in [0, 1, 999, 2 * per_chunk + 17] {
+                host_chain(hosts, local, DType::F32, ReduceOp::Sum, count, hosts as u64);
+            }
+        }
+        host_chain(hosts, 2, DType::BF16, ReduceOp::Sum, per_chunk + 5, 2);
+        host_chain(hosts, 2, DType::F16, ReduceOp::Max, 3 * per_chunk, 3);
+        host_chain(hosts, 3, DType::F64, ReduceOp::Prod, 300, 4);
+    }
+}

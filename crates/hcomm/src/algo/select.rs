@@ -14,6 +14,9 @@ pub struct Topology {
     pub shared_memory: bool,
     /// Several hosts with several ranks each (the hierarchical layout exists).
     pub hierarchical: bool,
+    /// The hierarchical layout's hosts hold consecutive ranks (the canonical hierarchical
+    /// all-reduce needs the rank order to be the host order).
+    pub hosts_contiguous: bool,
     /// Reductions must give the same bits whatever else changes (`HCOMM_DETERMINISTIC`).
     pub deterministic: bool,
 }
@@ -40,7 +43,8 @@ impl Default for Thresholds {
 }
 
 /// The algorithm for `coll` on `bytes` bytes per rank: the canonical one for reductions in
-/// deterministic mode (whatever is forced: only it gives the same bits everywhere), else
+/// deterministic mode (whatever is forced: only it gives the same bits everywhere; for large
+/// all-reduces on hosts of consecutive ranks its hierarchical form), else
 /// `forced` when it is set and available on this topology, else the default rule (hierarchical for large all-reduces across hosts of
 /// several ranks, shared memory within one host, otherwise by size).
 pub fn select(
@@ -51,6 +55,15 @@ pub fn select(
     thresholds: &Thresholds,
 ) -> Algo {
     if topology.deterministic && coll.algorithms().contains(&Algo::Canonical) {
+        if coll == Collective::AllReduce
+            && topology.hierarchical
+            && topology.hosts_contiguous
+            && bytes >= thresholds.hierarchical_min
+        {
+            // The canonical hierarchical all-reduce (`algo::canonical::host_chain`): the
+            // same bits as the flat one, the cross-host bytes of the hierarchical one.
+            return Algo::Hierarchical;
+        }
         // The shared-memory reductions fold in rank order too (with f16/bf16 widened in
         // deterministic mode), so they give the canonical bits, faster.
         return if topology.shared_memory {
@@ -98,6 +111,7 @@ mod tests {
         size: 4,
         shared_memory: false,
         hierarchical: false,
+        hosts_contiguous: false,
         deterministic: false,
     };
 
@@ -125,6 +139,36 @@ mod tests {
                     assert_eq!(select(coll, bytes, forced, &det_tcp, &t), Algo::Canonical);
                 }
             }
+        }
+        // Large all-reduces on hosts of consecutive ranks: the canonical hierarchical form;
+        // reduce-scatter and reduce stay flat, and so do interleaved hosts.
+        let hosts = Topology {
+            shared_memory: false,
+            hosts_contiguous: true,
+            ..det
+        };
+        let interleaved = Topology {
+            hosts_contiguous: false,
+            ..hosts
+        };
+        for forced in [Algo::Auto, Algo::Ring, Algo::Hierarchical] {
+            let big = t.hierarchical_min;
+            assert_eq!(
+                select(Collective::AllReduce, big, forced, &hosts, &t),
+                Algo::Hierarchical
+            );
+            assert_eq!(
+                select(Collective::AllReduce, big - 1, forced, &hosts, &t),
+                Algo::Canonical
+            );
+            assert_eq!(
+                select(Collective::ReduceScatter, big, forced, &hosts, &t),
+                Algo::Canonical
+            );
+            assert_eq!(
+                select(Collective::AllReduce, big, forced, &interleaved, &t),
+                Algo::Canonical
+            );
         }
         assert_eq!(
             select(Collective::Broadcast, 8, Algo::Auto, &det, &t),

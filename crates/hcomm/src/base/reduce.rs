@@ -302,6 +302,98 @@ pub fn fold_in_order(dtype: DType, op: ReduceOp, out: &mut [u8], parts: &[&[u8]]
     }
 }
 
+/// Bytes of one element of the canonical fold's accumulator for `dtype`: f32 for f16 and
+/// bf16 (accumulated in f32, rounded once), the element itself for every other dtype.
+pub fn accumulator_size(dtype: DType) -> usize {
+    match dtype {
+        DType::F16 | DType::BF16 => 4,
+        d => d.size(),
+    }
+}
+
+/// [`fold_in_order`] cut at a rank boundary, for schedules that carry a partial fold from
+/// one group of ranks to the next: `acc` (elements of [`accumulator_size`]) becomes
+/// `acc ⊕ parts[0] ⊕ parts[1] ⊕ …` when `continued`, else `parts[0] ⊕ parts[1] ⊕ …`; folding
+/// ranks `0..k` this way, then `k..n` onto the result, and rounding with
+/// [`round_accumulator`] gives bitwise what `fold_in_order` gives over `0..n`.
+pub fn fold_into_accumulator(
+    dtype: DType,
+    op: ReduceOp,
+    acc: &mut [u8],
+    continued: bool,
+    parts: &[&[u8]],
+) {
+    let (first, rest) = match (continued, parts.split_first()) {
+        (true, _) => (None, parts),
+        (false, Some((f, r))) => (Some(*f), r),
+        (false, None) => return,
+    };
+    let widen: fn(&[u16], &mut [f32]) = match dtype {
+        DType::F16 => simd::f16_to_f32,
+        DType::BF16 => |h, f| {
+            f.iter_mut()
+                .zip(h)
+                .for_each(|(f, &h)| *f = bf16_bits_to_f32(h))
+        },
+        _ => {
+            if let Some(f) = first {
+                acc.copy_from_slice(f);
+            }
+            for p in rest {
+                reduce_into(dtype, op, acc, p, Order::AccFirst);
+            }
+            return;
+        }
+    };
+    const BLOCK: usize = 1024;
+    let mut h = [0u16; BLOCK];
+    let mut a = [0f32; BLOCK];
+    let mut part = [0f32; BLOCK];
+    for (k, acc_block) in acc.chunks_mut(BLOCK * 4).enumerate() {
+        let n = acc_block.len() / 4;
+        let at = k * BLOCK * 2..k * BLOCK * 2 + n * 2;
+        match first {
+            Some(f) => {
+                bytemuck::cast_slice_mut::<u16, u8>(&mut h[..n]).copy_from_slice(&f[at.clone()]);
+                widen(&h[..n], &mut a[..n]);
+            }
+            None => bytemuck::cast_slice_mut::<f32, u8>(&mut a[..n]).copy_from_slice(acc_block),
+        }
+        for p in rest {
+            bytemuck::cast_slice_mut::<u16, u8>(&mut h[..n]).copy_from_slice(&p[at.clone()]);
+            widen(&h[..n], &mut part[..n]);
+            combine_typed::<f32>(op, &mut a[..n], &part[..n], Order::AccFirst);
+        }
+        acc_block.copy_from_slice(bytemuck::cast_slice(&a[..n]));
+    }
+}
+
+/// The end of a fold made with [`fold_into_accumulator`]: `out` (elements of `dtype`) receives
+/// the accumulator rounded once (f16, bf16) or copied (every other dtype).
+pub fn round_accumulator(dtype: DType, acc: &[u8], out: &mut [u8]) {
+    let narrow: fn(&mut [u16], &[f32]) = match dtype {
+        DType::F16 => |h, f| simd::f32_to_f16(f, h),
+        DType::BF16 => |h, f| {
+            h.iter_mut()
+                .zip(f)
+                .for_each(|(h, &f)| *h = f32_to_bf16_bits(f))
+        },
+        _ => {
+            out.copy_from_slice(acc);
+            return;
+        }
+    };
+    const BLOCK: usize = 1024;
+    let mut h = [0u16; BLOCK];
+    let mut a = [0f32; BLOCK];
+    for (acc_block, o) in acc.chunks(BLOCK * 4).zip(out.chunks_mut(BLOCK * 2)) {
+        let n = o.len() / 2;
+        bytemuck::cast_slice_mut::<f32, u8>(&mut a[..n]).copy_from_slice(acc_block);
+        narrow(&mut h[..n], &a[..n]);
+        o.copy_from_slice(bytemuck::cast_slice(&h[..n]));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,6 +401,52 @@ mod tests {
 
     fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
         bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn a_fold_cut_at_any_rank_is_the_whole_fold() {
+        // Random non-integer parts of every float dtype (and i32), 5 ranks, 2,500 elements
+        // (blocks and a remainder): folding ranks 0..k into the accumulator, then k..5 onto
+        // it, then rounding, gives fold_in_order's bits, for every cut k and op.
+        let len = 2_500;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 20) as f32 - 8.0
+        };
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32] {
+            let parts: Vec<Vec<u8>> = (0..5)
+                .map(|_| {
+                    let v: Vec<f32> = (0..len).map(|_| next()).collect();
+                    match dtype {
+                        DType::F32 => bytes(&v),
+                        DType::F64 => bytes(&v.iter().map(|&x| x as f64).collect::<Vec<_>>()),
+                        DType::F16 => {
+                            bytes(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>())
+                        }
+                        DType::BF16 => {
+                            bytes(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
+                        }
+                        _ => bytes(&v.iter().map(|&x| (x * 100.0) as i32).collect::<Vec<_>>()),
+                    }
+                })
+                .collect();
+            let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max] {
+                let mut whole = vec![0u8; len * dtype.size()];
+                fold_in_order(dtype, op, &mut whole, &refs);
+                for cut in 1..5 {
+                    let mut acc = vec![0u8; len * accumulator_size(dtype)];
+                    fold_into_accumulator(dtype, op, &mut acc, false, &refs[..cut]);
+                    fold_into_accumulator(dtype, op, &mut acc, true, &refs[cut..]);
+                    let mut out = vec![0u8; whole.len()];
+                    round_accumulator(dtype, &acc, &mut out);
+                    assert!(out == whole, "{dtype} {op} cut at {cut}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -243,6 +243,8 @@ impl Communicator {
             links.attach_shm(Arc::new(s), &local);
         }
         let hier_layout = compute_hierarchical_layout(&hosts, rank);
+        let hosts_contiguous = hier_layout
+            .is_some_and(|(_, _, per)| (0..size).all(|r| hosts[r] == hosts[r - r % per]));
         if server.is_some() {
             // The store lives as long as this communicator: wait for every rank to be done
             // with it, so that dropping the communicator at once cannot take it away from a
@@ -299,6 +301,7 @@ impl Communicator {
             windows: std::sync::atomic::AtomicU64::new(0),
             hierarchy: Mutex::new(None),
             hier_layout,
+            hosts_contiguous,
             corrupt_results: tuning.corrupt_one,
             deterministic: AtomicBool::new(tuning.deterministic),
             accumulate_f32: AtomicBool::new(tuning.accumulate_f32),

@@ -9,7 +9,7 @@ use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
 use crate::base::reduce::finalize_mean;
 use crate::base::segments::{count_segments, even_segments};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Hierarchy};
 use crate::wire::collective::{Algo, Collective};
 
 /// Hash of per-rank block sizes: part of the shared-memory fingerprint of the v-variants.
@@ -89,9 +89,22 @@ impl Communicator {
         // job had not run yet would choose another algorithm than the others.
         let _turn = self.engine().turns.enter();
         if self.hierarchical_layout().is_some()
-            && self.algorithm_for(Collective::AllReduce, recv.len()) == Algo::Hierarchical
+            && self.algorithm_for_dtype(Collective::AllReduce, recv.len(), dtype)
+                == Algo::Hierarchical
         {
-            return self.all_reduce_hierarchical(send, recv, dtype, op);
+            if let Some(s) = send {
+                recv.copy_from_slice(s);
+            }
+            if self.canonical_for(Some(dtype)) {
+                // Deterministic mode (or f16/bf16 accumulated in f32): the canonical form.
+                self.all_reduce_canonical_hierarchical(recv, dtype, op)?;
+            } else {
+                self.hierarchically(OP, recv, dtype, op, |across, slice, inner_op| {
+                    across.all_reduce_bytes(None, slice, dtype, inner_op)
+                })?;
+            }
+            self.inject_fault(recv);
+            return Ok(());
         }
         self.collective(
             Collective::AllReduce,
@@ -131,23 +144,55 @@ impl Communicator {
         Ok(())
     }
 
-    /// Hierarchical all-reduce: reduce-scatter within the host, all-reduce of this rank's
-    /// slice with the same-index ranks of the other hosts, all-gather within the host.
-    fn all_reduce_hierarchical(
+    /// The canonical hierarchical all-reduce of `buf` in place (deterministic mode, hosts of
+    /// consecutive ranks): within the host an all-to-all gives local rank `l` segment `l` of
+    /// every local rank's vector; the same-index ranks of the hosts fold it in rank order
+    /// along the chain of hosts ([`canonical::host_chain`]); an all-gather within the host
+    /// gives every rank every segment. Bitwise the flat canonical all-reduce, with the
+    /// cross-host bytes of the hierarchical one.
+    fn all_reduce_canonical_hierarchical(
         &self,
-        send: Option<&[u8]>,
-        recv: &mut [u8],
+        buf: &mut [u8],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        if let Some(s) = send {
-            recv.copy_from_slice(s);
-        }
-        self.hierarchically("all_reduce", recv, dtype, op, |across, slice, inner_op| {
-            across.all_reduce_bytes(None, slice, dtype, inner_op)
-        })?;
-        self.inject_fault(recv);
-        Ok(())
+        self.on_hierarchy("all_reduce", buf, dtype, op, |h, buf, inner_op| {
+            let es = dtype.size();
+            let (l, me) = (h.within.world_size(), h.within.rank());
+            let segs = even_segments(buf.len() / es, l, es);
+            let counts: Vec<usize> = segs.iter().map(|s| s.len() / es).collect();
+            let mine = segs[me].clone();
+            canonical::with_host_parts(mine.len() * l, |gathered| {
+                h.within
+                    .all_to_all_v_bytes(buf, &counts, gathered, &vec![counts[me]; l], dtype)?;
+                let parts: Vec<&[u8]> = (0..l)
+                    .map(|r| &gathered[r * mine.len()..(r + 1) * mine.len()])
+                    .collect();
+                h.across
+                    .host_chain_bytes(&parts, &mut buf[mine.clone()], dtype, inner_op)
+            })?;
+            h.within.all_gather_v_bytes(None, buf, &counts, dtype)
+        })
+    }
+
+    /// [`canonical::host_chain`] on this communicator (one rank per host, in host order):
+    /// `out` receives the canonical fold of every rank's `parts`.
+    fn host_chain_bytes(
+        &self,
+        parts: &[&[u8]],
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.collective(
+            Collective::AllReduce,
+            Some(dtype),
+            Some(op),
+            None,
+            out.len() / dtype.size(),
+            out.len(),
+            |call, _| canonical::host_chain(&mut call.run, parts, out, dtype, op),
+        )
     }
 
     /// The hierarchical schedule of an all-reduce of `buf` in place: reduce-scatter (with
@@ -162,6 +207,30 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         across: impl FnOnce(&Communicator, &mut [u8], ReduceOp) -> Result<()>,
+    ) -> Result<()> {
+        self.on_hierarchy(op_name, buf, dtype, op, |h, buf, inner_op| {
+            let l = h.within.world_size();
+            let count = buf.len() / dtype.size();
+            let segs = even_segments(count, l, dtype.size());
+            let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
+            let mine = segs[h.within.rank()].clone();
+            h.within
+                .reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)?;
+            across(&h.across, &mut buf[mine], inner_op)?;
+            h.within.all_gather_v_bytes(None, buf, &counts, dtype)
+        })
+    }
+
+    /// Run `body` on the hierarchy's sub-communicators as one operation of this communicator
+    /// (its turn, lock, poisoning and timeout; a failure told to the peers of both
+    /// sub-communicators), with `op`'s inner reduction (`Sum` for `Mean`, which divides after).
+    fn on_hierarchy(
+        &self,
+        op_name: &'static str,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        body: impl FnOnce(&Hierarchy, &mut [u8], ReduceOp) -> Result<()>,
     ) -> Result<()> {
         // Called in this operation's turn (see `all_reduce_bytes`): the sub-communicators are
         // made (collective splits of this communicator) inside it, so they happen at the same
@@ -191,15 +260,7 @@ impl Communicator {
             } else {
                 op
             };
-            let l = h.within.world_size();
-            let count = buf.len() / dtype.size();
-            let segs = even_segments(count, l, dtype.size());
-            let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
-            let mine = segs[h.within.rank()].clone();
-            h.within
-                .reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)?;
-            across(&h.across, &mut buf[mine], inner_op)?;
-            h.within.all_gather_v_bytes(None, buf, &counts, dtype)?;
+            body(&h, buf, inner_op)?;
             if op == ReduceOp::Mean {
                 finalize_mean(dtype, buf, self.world_size());
             }

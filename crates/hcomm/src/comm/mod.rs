@@ -215,6 +215,9 @@ pub struct Communicator {
     windows: std::sync::atomic::AtomicU64,
     /// See [`Communicator::hierarchical_layout`].
     hier_layout: Option<(usize, usize, usize)>,
+    /// The hierarchical layout's hosts hold consecutive ranks (host `h` ranks `h·L..(h+1)·L`),
+    /// so that the rank order is the host order, then the order within each host.
+    hosts_contiguous: bool,
     /// Sub-communicators of the hierarchical all-reduce (made on first use).
     /// (Also the lock that serialises creating them.)
     hierarchy: Mutex<Option<Arc<Hierarchy>>>,
@@ -928,6 +931,7 @@ impl Communicator {
             size: self.size,
             shared_memory: self.shm_bytes > 0,
             hierarchical: self.hierarchical_layout().is_some(),
+            hosts_contiguous: self.hosts_contiguous,
             deterministic: canonical,
         };
         select(coll, bytes, forced, &topology, &self.thresholds)
