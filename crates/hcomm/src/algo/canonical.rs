@@ -31,7 +31,7 @@ use super::{ring, Run};
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::{
-    accumulator_size, fold_in_order, fold_into_accumulator, round_accumulator,
+    accumulator_size, fold_in_order, fold_into_accumulator, round_accumulator, Order,
 };
 use crate::base::segments::even_segments;
 use crate::transport::ops::Sink;
@@ -137,6 +137,82 @@ fn gather_and_fold(
     })
 }
 
+/// The reduce-scatter of two ranks in the canonical order, in place: rank `me` sends segment
+/// `segs[other]` of `buf` and reduces the other's segment `segs[me]` into its own on receipt,
+/// as `x0 ⊕ x1` (rank 0's operand first whichever rank owns the segment).
+fn fold_pair_on_receipt(
+    run: &mut Run,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (lo, hi) = buf.split_at_mut(segs[1].start);
+    let (send, dst) = if run.rank == 0 {
+        (&hi[..segs[1].len()], &mut lo[segs[0].clone()])
+    } else {
+        (&lo[segs[0].clone()], &mut hi[..segs[1].len()])
+    };
+    fold_pair(run, send, dst, dtype, op)
+}
+
+/// Two ranks: send `send` to the other rank and reduce what it sends into `dst` (which holds
+/// this rank's own contribution) as `x0 ⊕ x1`.
+fn fold_pair(run: &mut Run, send: &[u8], dst: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let other = 1 - run.rank;
+    let order = if run.rank == 0 {
+        Order::AccFirst
+    } else {
+        Order::SrcFirst
+    };
+    run.exchange(
+        vec![(other, 0, send)],
+        vec![(
+            other,
+            0,
+            Sink::Reduce {
+                dst,
+                dtype,
+                op,
+                order,
+            },
+        )],
+    )
+}
+
+/// The small all-reduce: every rank gathers every rank's `buf` with Bruck's all-gather (in
+/// round `k` a rank sends the `min(2^k, n - 2^k)` vectors it holds to rank `me - 2^k` and
+/// receives as many from `me + 2^k`, so after `ceil(log2 n)` rounds it holds the vectors of
+/// ranks `me, me + 1, …` (mod n); a message per round instead of one per peer) and folds them
+/// in rank order into `buf`.
+fn gather_all_and_fold(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (n, me, len) = (run.size, run.rank, buf.len());
+    with_scratch(len * n, |held| {
+        held[..len].copy_from_slice(buf);
+        let mut have = 1;
+        let mut round = 0u32;
+        while have < n {
+            let count = have.min(n - have);
+            let (mine, rest) = held.split_at_mut(have * len);
+            run.step(
+                round,
+                Some(((me + n - have) % n, &mine[..count * len])),
+                Some(((me + have) % n, Sink::Buf(&mut rest[..count * len]))),
+            )?;
+            have += count;
+            round += 1;
+        }
+        let parts: Vec<&[u8]> = (0..n)
+            .map(|r| {
+                let at = (r + n - me) % n;
+                &held[at * len..(at + 1) * len]
+            })
+            .collect();
+        fold_in_order(dtype, op, buf, &parts);
+        Ok(())
+    })
+}
+
 /// Canonical all-reduce of `buf` in place.
 pub fn all_reduce(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let n = run.size;
@@ -147,12 +223,17 @@ pub fn all_reduce(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) -> 
         return Ok(());
     }
     if buf.len() <= GATHER_MAX {
-        // Every rank owns the whole vector.
-        let whole = vec![0..buf.len(); n];
-        let input = buf.to_vec();
-        return gather_and_fold(run, &input, &whole, dtype, op, buf, 0);
+        // Every rank gathers every vector (Bruck's all-gather: ceil(log2 n) rounds) and folds.
+        return gather_all_and_fold(run, buf, dtype, op);
     }
     let segs = even_segments(count, n, dtype.size());
+    if n == 2 && accumulator_size(dtype) == dtype.size() {
+        // Two ranks fold in one operation, `x0 ⊕ x1`: each owner reduces the other's part
+        // of its segment into its own as it arrives, rank 0's operand first (no gather
+        // buffer, no separate fold pass). f16/bf16 keep the gather: they fold in f32.
+        fold_pair_on_receipt(run, buf, &segs, dtype, op)?;
+        return ring::all_gather_in_place(run, buf, &segs, 1);
+    }
     with_kept(&FOLDED, segs[run.rank].len(), |mine| {
         gather_and_fold(run, buf, &segs, dtype, op, mine, 0)?;
         buf[segs[run.rank].clone()].copy_from_slice(mine);
@@ -287,6 +368,11 @@ pub fn reduce_scatter(
     if run.size == 1 {
         fold_in_order(dtype, op, out, &[&input[segs[0].clone()]]);
         return Ok(());
+    }
+    if run.size == 2 && accumulator_size(dtype) == dtype.size() {
+        let me = run.rank;
+        out.copy_from_slice(&input[segs[me].clone()]);
+        return fold_pair(run, &input[segs[1 - me].clone()], out, dtype, op);
     }
     gather_and_fold(run, input, segs, dtype, op, out, 0)
 }
