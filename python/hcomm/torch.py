@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import queue
 import secrets
@@ -53,6 +54,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch.distributed import ReduceOp
 
@@ -746,6 +748,23 @@ class HcommBackend(_C10dBackend):
             raise RuntimeError(f"shrink_group: rank(s) {gone} are gone too; list them in ranks_to_exclude")
         return HcommBackend(self._store, new.rank, new.world_size, self._timeout, comm=new)
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The deadline of every operation issued after this call (``dist.set_timeout``, routed
+        here by :func:`_install_set_timeout`: torch's C++ ``ProcessGroup::setTimeout`` cannot
+        reach a backend written in Python). It wins over ``HCOMM_TIMEOUT``, being the later,
+        explicit choice."""
+        if not isinstance(timeout, datetime.timedelta):
+            raise InvalidArgumentError(f"hcomm backend: set_timeout: expected a datetime.timedelta, got {type(timeout).__name__}")
+        seconds = timeout.total_seconds()
+        if not seconds > 0:
+            raise InvalidArgumentError(f"hcomm backend: set_timeout: the timeout must be positive, got {timeout}")
+        self.comm.timeout = seconds
+        self._timeout = timeout
+        try:
+            self._options._timeout = timeout
+        except (AttributeError, TypeError):  # read-only in some torch versions
+            pass
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
@@ -1420,6 +1439,41 @@ def _subgroup(parent: Communicator, ranks: List[int], timeout: Optional[datetime
     return new
 
 
+def _hcomm_backend_of(group: Any) -> Optional["HcommBackend"]:
+    """The hcomm backend serving `group` on CPU, if it is one."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+    return backend if isinstance(backend, HcommBackend) else None
+
+
+def _install_set_timeout() -> None:
+    """Make ``dist.set_timeout`` (and the older ``_set_pg_timeout``) reach hcomm groups: torch
+    forwards it from C++ (``ProcessGroup::setTimeout``), which has no trampoline into a backend
+    written in Python and only warns that the value is ignored. Groups of other backends get
+    torch's own function."""
+    original = c10d.set_timeout
+    if getattr(original, "_hcomm", False):
+        return
+
+    @functools.wraps(original)
+    def set_timeout(timeout: datetime.timedelta, group: Any = None) -> None:
+        target = group if group is not None else c10d._get_default_group()
+        backend = _hcomm_backend_of(target)
+        if backend is None:
+            return original(timeout, group)
+        if c10d._rank_not_in_group(target):
+            raise ValueError("Invalid process group specified")
+        backend.set_timeout(timeout)
+
+    set_timeout._hcomm = True  # type: ignore[attr-defined]
+    c10d.set_timeout = set_timeout
+    if getattr(dist, "set_timeout", None) is original:
+        dist.set_timeout = set_timeout
+
+
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
 _install_work_queries()
+_install_set_timeout()

@@ -83,6 +83,7 @@ def test_entry_points_split_group_and_errors(n):
     assert out.count("ok split_group gives an hcomm subgroup of the parent's communicator") == n
     assert out.count("ok new_group makes hcomm sub-communicators of the default group's (no new rendezvous)") == n
     assert out.count("ok a timed-out collective raises DistBackendError naming the timeout; get_error reports it") == n
+    assert out.count("ok dist.set_timeout changes an hcomm group's timeout") == n
 
 
 @needs_torch

@@ -775,6 +775,29 @@ elif CASE == "entry_points":
     dist.barrier(group=gloo)
     ok("a timed-out collective raises DistBackendError naming the timeout; get_error reports it")
 
+    # dist.set_timeout reaches the hcomm group (torch's C++ setTimeout alone only warns): a
+    # group made with 300 s times out after 1.5 s once set, and the default group's changes
+    long = dist.new_group(timeout=datetime.timedelta(seconds=300))
+    dist.set_timeout(datetime.timedelta(seconds=1.5), group=long)
+    assert hcomm.torch.communicator_of(long).timeout == 1.5, hcomm.torch.communicator_of(long).timeout
+    if R == 0:
+        try:
+            dist.barrier(group=long)
+            raise AssertionError("a barrier only rank 0 enters must time out")
+        except dist.DistBackendError as e:
+            assert "timed out after 1.5s" in str(e), str(e)
+    before = hcomm.torch.communicator_of().timeout
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=77))  # the older name
+    assert hcomm.torch.communicator_of().timeout == 77, hcomm.torch.communicator_of().timeout
+    dist.set_timeout(datetime.timedelta(seconds=before))
+    try:
+        dist.set_timeout(datetime.timedelta(seconds=0), group=long)
+        raise AssertionError("a zero timeout must be refused")
+    except ValueError as e:
+        assert "must be positive" in str(e), str(e)
+    dist.barrier(group=gloo)
+    ok("dist.set_timeout changes an hcomm group's timeout")
+
 # ----------------------------------------------------------------------------------------------
 elif CASE == "reductions":
     # hcomm.torch.reductions: deterministic mode and f32 accumulation for the collectives
