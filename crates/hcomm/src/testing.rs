@@ -319,7 +319,7 @@ pub fn canonical_reference(
                 let x = |r| f64::from_le_bytes(at(r).try_into().unwrap());
                 let mut acc = x(0);
                 for r in 1..n {
-                    acc = combine_f64(op, acc, x(r));
+                    acc = combine(op, acc, x(r));
                 }
                 if op == ReduceOp::Mean {
                     acc /= n as f64;
@@ -337,7 +337,7 @@ pub fn canonical_reference(
                 };
                 let mut acc = x(0);
                 for r in 1..n {
-                    acc = combine_f32(op, acc, x(r));
+                    acc = combine(op, acc, x(r));
                 }
                 match dtype {
                     DType::F32 => {
@@ -367,47 +367,18 @@ pub fn canonical_reference(
     out
 }
 
-fn combine_f32(op: ReduceOp, a: f32, b: f32) -> f32 {
-    // Min and Max keep the accumulated value on ties (the sign of a zero included).
+/// One step of the canonical fold, as the library's kernels compute it: Min and Max keep the
+/// accumulated value on ties (the sign of a zero included).
+fn combine<T>(op: ReduceOp, a: T, b: T) -> T
+where
+    T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
+{
     match op {
         ReduceOp::Sum | ReduceOp::Mean => a + b,
         ReduceOp::Prod => a * b,
-        ReduceOp::Min => {
-            if b < a {
-                b
-            } else {
-                a
-            }
-        }
-        ReduceOp::Max => {
-            if b > a {
-                b
-            } else {
-                a
-            }
-        }
-    }
-}
-
-fn combine_f64(op: ReduceOp, a: f64, b: f64) -> f64 {
-    // Min and Max keep the accumulated value on ties (the sign of a zero included).
-    match op {
-        ReduceOp::Sum | ReduceOp::Mean => a + b,
-        ReduceOp::Prod => a * b,
-        ReduceOp::Min => {
-            if b < a {
-                b
-            } else {
-                a
-            }
-        }
-        ReduceOp::Max => {
-            if b > a {
-                b
-            } else {
-                a
-            }
-        }
+        ReduceOp::Min if b < a => b,
+        ReduceOp::Max if b > a => b,
+        ReduceOp::Min | ReduceOp::Max => a,
     }
 }
 
