@@ -620,6 +620,21 @@ class Communicator:
         self._c.deterministic = bool(on)
 
     @property
+    def skip_zeros(self) -> bool:
+        """Whether all-reduces between two hosts skip zero blocks (settable; on by default,
+        ``HCOMM_SKIP_ZEROS=0`` turns it off at creation): a sum or mean all-reduce of two
+        ranks on different hosts, and the cross-host step of the hierarchical all-reduce on
+        two hosts, sends only the 1 KiB blocks that are not all zero bits (an embedding's
+        gradient: the batch's rows). The result is bitwise the dense one's, so it is on
+        wherever it applies. Every rank must set the same value, in the same place of its
+        program."""
+        return self._c.skip_zeros
+
+    @skip_zeros.setter
+    def skip_zeros(self, on: bool) -> None:
+        self._c.skip_zeros = bool(on)
+
+    @property
     def accumulate(self) -> str:
         """How f16 and bf16 reductions accumulate (settable; ``HCOMM_ACCUMULATE`` sets it at
         creation): ``"f32"`` computes each element of an all-reduce, reduce-scatter or

@@ -245,6 +245,21 @@ impl PyComm {
         py.detach(move || comm.set_deterministic(on));
     }
 
+    /// Skip zero blocks between hosts (`HCOMM_SKIP_ZEROS`, on by default): sum and mean
+    /// all-reduces of two ranks on different hosts (and the cross-host step of the
+    /// hierarchical all-reduce on two hosts) send only the 1 KiB blocks that are not all zero
+    /// bits, with the dense result's bits. Every rank must set the same value.
+    #[getter]
+    fn get_skip_zeros(&self) -> bool {
+        self.comm.skips_zeros()
+    }
+
+    #[setter]
+    fn set_skip_zeros(&self, py: Python<'_>, on: bool) {
+        let comm = self.comm.clone();
+        py.detach(move || comm.set_skip_zeros(on));
+    }
+
     /// Write a Chrome / Perfetto trace of this communicator's operations (and of those made
     /// from it afterwards) to `path`: a directory (`hcomm-trace-rank{R}.json` in it) or a
     /// file name with `{rank}` in it (`HCOMM_TRACE` does this at creation).

@@ -70,7 +70,7 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
 
 /// Run `f` with `kept` (a buffer of this thread's, kept between calls) grown to at least `len`
 /// bytes; above [`KEPT_SCRATCH_MAX`] with a buffer of its own.
-fn with_kept<R>(
+pub(super) fn with_kept<R>(
     kept: &'static std::thread::LocalKey<std::cell::RefCell<Vec<u8>>>,
     len: usize,
     f: impl FnOnce(&mut [u8]) -> R,

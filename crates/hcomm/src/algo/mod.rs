@@ -16,6 +16,7 @@ pub mod basic;
 pub mod canonical;
 pub mod ring;
 pub mod select;
+pub mod skip_zeros;
 pub mod tree;
 
 #[cfg(test)]

@@ -12,3 +12,4 @@ pub mod segments;
 #[allow(unsafe_code)]
 pub(crate) mod simd;
 pub(crate) mod widen;
+pub mod zero_blocks;

@@ -305,6 +305,7 @@ impl Communicator {
             corrupt_results: tuning.corrupt_one,
             deterministic: AtomicBool::new(tuning.deterministic),
             accumulate_f32: AtomicBool::new(tuning.accumulate_f32),
+            skip_zeros: AtomicBool::new(tuning.skip_zeros),
             tuning,
             token,
             listen_addr,

@@ -4,7 +4,7 @@
 //! Conventions (NCCL's): counts are in elements; out-of-place forms never modify the input;
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
-use crate::algo::{basic, canonical, ring, tree};
+use crate::algo::{basic, canonical, ring, skip_zeros, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
 use crate::base::reduce::finalize_mean;
@@ -99,13 +99,20 @@ impl Communicator {
                 // Deterministic mode (or f16/bf16 accumulated in f32): the canonical form.
                 self.all_reduce_canonical_hierarchical(recv, dtype, op)?;
             } else {
+                // The cross-host step skips zero blocks as this communicator now says (its
+                // sub-communicators were made with the setting of that time).
+                let skip_zeros = self.skips_zeros();
                 self.hierarchically(OP, recv, dtype, op, |across, slice, inner_op| {
+                    across
+                        .skip_zeros
+                        .store(skip_zeros, std::sync::atomic::Ordering::Relaxed);
                     across.all_reduce_bytes(None, slice, dtype, inner_op)
                 })?;
             }
             self.inject_fault(recv);
             return Ok(());
         }
+        let skip_zeros = self.skips_zeros_for(recv.len(), op);
         self.collective(
             Collective::AllReduce,
             Some(dtype),
@@ -121,7 +128,11 @@ impl Communicator {
                 if let Some(s) = send {
                     recv.copy_from_slice(s);
                 }
-                if n > 1 {
+                if skip_zeros {
+                    // Two ranks on different hosts: bitwise what any dense schedule gives.
+                    skip_zeros::all_reduce_pair(run, recv, dtype, op)?;
+                    run.ran = Some("skip-zeros");
+                } else if n > 1 {
                     match algo {
                         Algo::RecursiveDoubling => basic::all_reduce_rd(run, recv, dtype, op)?,
                         Algo::Canonical => canonical::all_reduce(run, recv, dtype, op)?,

@@ -71,6 +71,9 @@ pub(crate) struct Call<'a> {
     /// The canonical schedules (deterministic mode, or f16/bf16 accumulated in f32), read in
     /// this call's turn.
     pub canonical: bool,
+    /// What the trace names as the algorithm when the body ran another schedule than the
+    /// chosen one (the zero-skipping exchange).
+    pub ran: Option<&'static str>,
 }
 
 impl<'a> std::ops::Deref for Call<'a> {
@@ -235,6 +238,8 @@ pub struct Communicator {
     trace_label: Mutex<Option<String>>,
     /// f16 and bf16 reductions accumulated in f32 ([`Communicator::set_accumulate_f32`]).
     accumulate_f32: AtomicBool,
+    /// Two-rank all-reduces across hosts skip zero blocks ([`Communicator::set_skip_zeros`]).
+    skip_zeros: AtomicBool,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -534,6 +539,33 @@ impl Communicator {
         self.accumulate_f32.load(Ordering::Relaxed)
     }
 
+    /// Skipping zero blocks on or off (`HCOMM_SKIP_ZEROS`, on by default; sub-communicators
+    /// made later inherit it). On, a sum or mean all-reduce of at least
+    /// [`skip_zeros::MIN_BYTES`](crate::algo::skip_zeros::MIN_BYTES) between two ranks on
+    /// different hosts, or the cross-host step of the hierarchical all-reduce on two hosts,
+    /// sends only the blocks that are not all zero bits ([`crate::algo::skip_zeros`]); the
+    /// result is bitwise the dense one's. Every rank must make the same call, in issue order.
+    pub fn set_skip_zeros(&self, on: bool) {
+        let _turn = self.engine.turns.enter();
+        self.skip_zeros.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether two-rank all-reduces across hosts skip zero blocks
+    /// ([`set_skip_zeros`](Self::set_skip_zeros)).
+    pub fn skips_zeros(&self) -> bool {
+        self.skip_zeros.load(Ordering::Relaxed)
+    }
+
+    /// Whether an all-reduce of `bytes` with `op` skips zero blocks here: on, two ranks on
+    /// different hosts, a sum or mean, at least [`skip_zeros::MIN_BYTES`](crate::algo::skip_zeros::MIN_BYTES).
+    pub(crate) fn skips_zeros_for(&self, bytes: usize, op: ReduceOp) -> bool {
+        self.skips_zeros()
+            && self.size == 2
+            && matches!(op, ReduceOp::Sum | ReduceOp::Mean)
+            && bytes >= crate::algo::skip_zeros::MIN_BYTES
+            && self.host_ids()[0] != self.host_ids()[1]
+    }
+
     /// Whether a reduction of `dtype` runs the canonical schedules: in deterministic mode, or
     /// for f16 and bf16 when they accumulate in f32.
     fn canonical_for(&self, dtype: Option<DType>) -> bool {
@@ -764,6 +796,7 @@ impl Communicator {
         let mut tuning = self.tuning.clone();
         tuning.deterministic = self.is_deterministic();
         tuning.accumulate_f32 = self.accumulates_f32();
+        tuning.skip_zeros = self.skips_zeros();
         tuning.algo = self
             .inner
             .lock()
@@ -1041,8 +1074,13 @@ impl Communicator {
                 shm: inner.shm.as_mut(),
                 fp_extra: 0,
                 canonical,
+                ran: None,
             };
-            body(&mut call, algo)
+            let result = body(&mut call, algo);
+            if let (Some(ran), Some(span)) = (call.ran, inner.span.as_mut()) {
+                span.algo = Some(ran);
+            }
+            result
         };
         Self::finish(&mut inner, true, result)
     }

@@ -158,6 +158,14 @@ pub const ACCUMULATE: Knob = Knob {
     doc: "`f32`: f16 and bf16 sums, products and means are accumulated in f32 and rounded once",
 };
 
+/// `HCOMM_SKIP_ZEROS`.
+pub const SKIP_ZEROS: Knob = Knob {
+    var: "HCOMM_SKIP_ZEROS",
+    accepts: Accepts::Text,
+    default: KnobDefault::Described("`1`"),
+    doc: "`1`: sum and mean all-reduces of two ranks on different hosts (and the cross-host step of the hierarchical all-reduce on two hosts) send only the 1 KiB blocks that are not all zero bits, with the dense result's bits; `0`: always dense",
+};
+
 /// `HCOMM_TRACE`.
 pub const TRACE: Knob = Knob {
     var: "HCOMM_TRACE",
@@ -167,7 +175,7 @@ pub const TRACE: Knob = Knob {
 };
 
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 10] = [
+pub const KNOBS: [&Knob; 11] = [
     &SPIN_US,
     &CPUS,
     &SHM_CHUNK,
@@ -177,6 +185,7 @@ pub const KNOBS: [&Knob; 10] = [
     &FAULT_INJECT,
     &DETERMINISTIC,
     &ACCUMULATE,
+    &SKIP_ZEROS,
     &TRACE,
 ];
 
@@ -305,6 +314,9 @@ pub struct Tuning {
     /// canonical schedules, which accumulate in f32 and round once (as deterministic mode
     /// does, for these two dtypes only).
     pub accumulate_f32: bool,
+    /// `HCOMM_SKIP_ZEROS` (default on): two-rank all-reduces across hosts skip zero blocks
+    /// ([`crate::algo::skip_zeros`]).
+    pub skip_zeros: bool,
     /// `HCOMM_TRACE`: where the world communicator writes its trace ([`crate::trace`]).
     pub trace: Option<String>,
 }
@@ -322,6 +334,7 @@ impl Default for Tuning {
             die_in_shrink_setup: false,
             deterministic: false,
             accumulate_f32: false,
+            skip_zeros: true,
             trace: None,
         }
     }
@@ -387,6 +400,18 @@ impl Tuning {
                 })
             }
         };
+        let skip_zeros = match vars.get(SKIP_ZEROS.var).as_deref() {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => {
+                return Err(ConfigError::Tuning {
+                    message: format!(
+                        "{}={v}: expected 1 (skip zero blocks between hosts) or 0",
+                        SKIP_ZEROS.var
+                    ),
+                })
+            }
+        };
         Ok(Tuning {
             spin_us,
             cpus,
@@ -398,6 +423,7 @@ impl Tuning {
             die_in_shrink_setup,
             deterministic,
             accumulate_f32,
+            skip_zeros,
             trace: vars.get(TRACE.var),
         })
     }
@@ -483,6 +509,8 @@ mod tests {
             vec![("HCOMM_ALGO", "allreduce=rd,broadcast=chain")],
             vec![("HCOMM_ACCUMULATE", "f32")],
             vec![("HCOMM_ACCUMULATE", "native")],
+            vec![("HCOMM_SKIP_ZEROS", "0")],
+            vec![("HCOMM_SKIP_ZEROS", "1")],
         ] {
             assert_eq!(tuning(&good), Ok(()), "{good:?}");
         }
@@ -535,6 +563,11 @@ mod tests {
                 "f64",
                 "HCOMM_ACCUMULATE=f64: expected f32 (accumulate f16 and bf16 in f32) or native",
             ),
+            (
+                "HCOMM_SKIP_ZEROS",
+                "yes",
+                "HCOMM_SKIP_ZEROS=yes: expected 1 (skip zero blocks between hosts) or 0",
+            ),
         ] {
             let e = tuning(&[(var, value)]).expect_err(value);
             assert!(e.starts_with(want), "{var}={value}: {e}");
@@ -552,9 +585,12 @@ mod tests {
             ("HCOMM_ALGO", "ring"),
             ("HCOMM_FAULT_INJECT", " corrupt-one "),
             ("HCOMM_ACCUMULATE", " f32 "),
+            ("HCOMM_SKIP_ZEROS", "0"),
         ])
         .unwrap();
         assert!(t.accumulate_f32);
+        assert!(!t.skip_zeros);
+        assert!(read(&[]).unwrap().skip_zeros);
         assert_eq!(t.spin_us, Some(7));
         assert_eq!(t.shm_chunk, 20480); // rounded up to 4 KiB
         assert_eq!(t.shm_p2p_bytes, Some(8192));
