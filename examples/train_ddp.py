@@ -30,6 +30,12 @@ Modes (every one trains the same model from the same seed on the same per-rank b
   ddp-hcomm-sparse, ddp-gloo-sparse
                DDP with the sparse token embedding of `sparse` (each backend's sparse
                all-reduce; the gradient is made dense for AdamW after backward)
+  ddp-hcomm-dense
+               ddp-hcomm with HCOMM_SKIP_ZEROS=0 (comm.skip_zeros off for its steps): every
+               block of every bucket crosses the link, as before hcomm skipped zero blocks
+  fsdp2-hcomm, fsdp2-gloo
+               FSDP2 (fully_shard on each encoder layer, then the root) on the "hcomm"
+               backend and on gloo
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -64,8 +70,12 @@ import torch.distributed as dist
 import hcomm
 import hcomm.torch  # noqa: F401  (registers the "hcomm" backend)
 
-MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse")
-DEFAULT_MODES = "local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,ddp-gloo,ddp-gloo-sparse"
+MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse",
+         "ddp-hcomm-dense", "fsdp2-hcomm", "fsdp2-gloo")
+#: modes whose collectives run on torch's gloo group (no hcomm bytes)
+GLOO_MODES = ("ddp-gloo", "ddp-gloo-sparse", "fsdp2-gloo")
+DEFAULT_MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
+                 "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo")
 TAG = "TRAIN_DDP_RESULT "
 #: modes that wait for communication after backward (DDP waits inside it)
 WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "skipzeros", "compressed", "sparse")
@@ -215,10 +225,22 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         mb = 1 << 20
         self.net = self.model
-        if self.base in ("ddp-hcomm", "ddp-hcomm-sparse"):
+        if self.base in ("ddp-hcomm", "ddp-hcomm-sparse", "ddp-hcomm-dense"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
         elif self.base in ("ddp-gloo", "ddp-gloo-sparse"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
+        elif self.base in ("fsdp2-hcomm", "fsdp2-gloo"):
+            # FSDP2 as its users write it: each encoder layer a unit, then the root (embeddings,
+            # pooler, head); parameters sharded over the group, gathered for forward and backward
+            # (prefetching the next layer), gradients reduce-scattered and averaged
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(gloo if self.base == "fsdp2-gloo" else dist.group.WORLD, "cpu")
+            for layer in self.model.encoder.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fusion = None
         self.sparse_work = None
         if self.base in ("overlap", "skipzeros", "compressed", "sparse"):
@@ -307,10 +329,12 @@ class Trainer:
         x, y = self.data[i]
         torch.set_rng_state(self.rng)
         mb = 1 << 20
-        before = comm.traffic() if self.base not in ("local", "ddp-gloo", "ddp-gloo-sparse") else None
+        before = comm.traffic() if self.base != "local" and self.base not in GLOO_MODES else None
         link0 = iface_tx_bytes(a.link_iface)
         if self.timeline:
             self.events = {"push": [], "arrived": []}
+        if self.base == "ddp-hcomm-dense":
+            comm.skip_zeros = False  # HCOMM_SKIP_ZEROS=0 for this mode's step (in issue order)
         t0 = time.perf_counter()
         for p in params:
             p.grad = None
@@ -338,6 +362,8 @@ class Trainer:
         tc = time.perf_counter()
         self.optimizer_step()
         t1 = time.perf_counter()
+        if self.base == "ddp-hcomm-dense":
+            comm.skip_zeros = True
         tc -= self.early_s  # optimizer time inside finish() is compute, not waiting
         self.rng = torch.get_rng_state()
         self.times.append(t1 - t0)
@@ -376,7 +402,10 @@ class Trainer:
     def summary(self, world):
         a = self.a
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            # FSDP2's parameters are shards: gather each whole (a collective, in the same order
+            # on every rank)
+            full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]
+            flat = torch.cat([p.detach().reshape(-1) for p in full])
         w = a.warmup
         return {
             "times": self.times[w:],
@@ -406,7 +435,7 @@ def summarize(a, mode, every, world):
     hosts = {r["host"]: r["link"] for r in every if r["link"] is not None and r["local_rank"] == 0}
     step_s = statistics.median(per_step)
     link_per_step = statistics.mean(hosts.values()) / n if hosts else None
-    uses_hcomm = base not in ("local", "ddp-gloo", "ddp-gloo-sparse")
+    uses_hcomm = base != "local" and base not in GLOO_MODES
     return {
         "mode": mode,
         "label": a.label,
@@ -435,6 +464,9 @@ def summarize(a, mode, every, world):
         # every step's loss (warm-up included), mean over ranks
         "loss_curve": [statistics.mean(r["losses"][i] for r in every) for i in range(len(every[0]["losses"]))],
         "replicas_identical": all(r["csum"] == every[0]["csum"] for r in every),
+        # the parameters' sum and sum of magnitudes (rank 0's): modes that must end with the
+        # same parameters (FSDP2 on hcomm and on gloo) compare these
+        "csum": every[0]["csum"],
         # accuracy on the held-out batches after the timed steps, mean over ranks (the
         # replicas are identical in every mode but local)
         "eval_acc": statistics.mean(r["eval_acc"] for r in every) if every[0]["eval_acc"] is not None else None,
@@ -482,7 +514,7 @@ def main(argv=None) -> int:
     dist.init_process_group("hcomm", timeout=tmo)
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = hcomm.torch.communicator_of()
-    gloo = dist.new_group(backend="gloo", timeout=tmo) if any(m.startswith("ddp-gloo") for m in a.modes) else None
+    gloo = dist.new_group(backend="gloo", timeout=tmo) if any(m.partition(":")[0] in GLOO_MODES for m in a.modes) else None
     meta = dist.new_group(backend="gloo", timeout=tmo)  # bookkeeping, off hcomm's counters
     results = train(a, comm, gloo, meta, rank, world)
     for r in results:

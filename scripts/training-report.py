@@ -42,7 +42,7 @@ TAG = "TRAIN_DDP_RESULT "
 PREFIX = "hctr"  # namespace names of this script's cluster (hctrh0, hctrh1, hctrsw)
 MASTER = "10.77.0.10"
 MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
-         "ddp-gloo,ddp-gloo-sparse")
+         "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo")
 #: the 100 Mbit/s run: every step moves ~93 MB at 12.5 MB/s, so fewer modes and steps
 SLOW_MODES = "local,naive,overlap,skipzeros,sparse,compressed:int8,compressed:topk:1%,ddp-gloo,ddp-gloo-sparse"
 
@@ -326,6 +326,29 @@ def targets_section(big):
     return "\n".join(lines)
 
 
+#: Issue #21's targets for unchanged scripts: the backend string is the only change.
+BACKEND_TARGETS = {"ddp": 1.15, "fsdp2": 1.5}
+
+
+def backend_section(groups):
+    """Per configuration: DDP and FSDP2 on hcomm against the same script on gloo (step time
+    ratio, median and fastest step), and whether both ended with the same parameters."""
+    lines = ["| configuration | script | on gloo: median (min) | on hcomm: median (min) | hcomm faster by | target | same parameters as gloo? |",
+             "|---|---|---|---|---|---|---|"]
+    for title, res in groups:
+        by = {r["mode"]: r for r in res}
+        for kind, label in (("ddp", "DDP"), ("fsdp2", "FSDP2 (fully_shard)")):
+            g, h = by.get(f"{kind}-gloo"), by.get(f"{kind}-hcomm")
+            if not g or not h:
+                continue
+            f, fmin = g["step_ms"] / h["step_ms"], g["step_ms_min"] / h["step_ms_min"]
+            same = "-" if "csum" not in g or "csum" not in h else yes(g["csum"] == h["csum"])
+            target = f"≥ {BACKEND_TARGETS[kind]:.2f}x" if "Gbit" in title or "Mbit" in title else "not slower"
+            lines.append(f"| {title} | {label} | {g['step_ms']:,.0f} ({g['step_ms_min']:,.0f}) | {h['step_ms']:,.0f} ({h['step_ms_min']:,.0f}) | "
+                         f"{f:.2f}x ({fmin:.2f}x) | {target} | {same} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def slow_section(slow):
     """The 100 Mbit/s run against "at least 3x faster than naive"."""
     by = {r["mode"]: r for r in slow}
@@ -505,6 +528,17 @@ on that machine, so they are compared here as ratios to this machine's compute-o
 (overlap + fusion ≤ 1,450 / 1,295 = 1.12x compute-only).
 
 {targets_section(big)}
+""")
+    backends = backend_section(groups)
+    if backends:
+        parts.append(f"""
+## Unchanged scripts: DDP and FSDP2 on hcomm against gloo
+
+The same script with the backend string changed (`init_process_group("hcomm")`; hcomm's default
+settings: lossless, so the parameters must equal gloo's). *same parameters*: the sum and the sum of
+magnitudes of every parameter after the run, in float64, equal to the last bit.
+
+{backends}
 """)
     checks = [c for _, res in groups for c in loss_check(res)]
     if checks:

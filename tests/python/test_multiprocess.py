@@ -125,6 +125,13 @@ def test_accumulate_f32_rounds_half_sums_once(n, mode):
     assert out.count("accumulate ok") == n
 
 
+@pytest.mark.parametrize("mode", ["skip-zeros", "skip-zeros-off"])
+def test_skipping_zero_blocks_between_hosts_keeps_the_dense_bits(mode):
+    env = {"HCOMM_SKIP_ZEROS": "0"} if mode == "skip-zeros-off" else None
+    out = run_job(2, [WORKERS / "deterministic.py", mode], env=env)
+    assert out.count("skip-zeros ok") == 2
+
+
 @needs_torch
 def test_deterministic_ddp_parameters_do_not_depend_on_buckets_or_hosts():
     """The issue's acceptance check, scaled down: DDP with bucket caps 0.25, 1, 25 and 100 MiB,

@@ -24,6 +24,8 @@ TOLERANCE = {
     "ddp-hcomm-sparse": 1e-4,
     "ddp-gloo": 1e-4,
     "ddp-gloo-sparse": 1e-4,
+    "fsdp2-hcomm": 1e-4,
+    "fsdp2-gloo": 1e-4,
     "compressed:fp16": 2e-3,
     "compressed:int8": 2e-3,
     "compressed:topk:1%": 2e-2,
@@ -70,6 +72,11 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert results["skipzeros"]["hcomm_sent_per_step"] < full - table + 0.2 * table
     assert results["ddp-gloo"]["hcomm_sent_per_step"] is None and results["local"]["hcomm_sent_per_step"] is None
     assert "ddp-gloo" in out
+    # FSDP2 on the two backends: the same parameters at the end (two ranks: every sum has two
+    # terms), and the shards' all-gathers and reduce-scatters on hcomm's counters
+    assert results["fsdp2-hcomm"]["csum"] == results["fsdp2-gloo"]["csum"]
+    assert results["fsdp2-hcomm"]["hcomm_sent_per_step"] >= naive["grad_bytes"] * 0.99
+    assert results["fsdp2-gloo"]["hcomm_sent_per_step"] is None
 
 
 @needs_torch
@@ -99,9 +106,12 @@ def test_training_report_quick_on_loopback(tmp_path):
     assert "| compressed:topk:1% | mean over 3 steps |" in text and "not stated (too few steps)" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
-    assert svg.count("<polyline") == 13  # a loss curve per mode
+    assert svg.count("<polyline") == 15  # a loss curve per mode
     lines = out.with_suffix(".jsonl").read_text().splitlines()
-    assert len(lines) == 14 and "meta" in json.loads(lines[0])  # the run's description, then 13 modes
+    assert len(lines) == 16 and "meta" in json.loads(lines[0])  # the run's description, then 15 modes
+    # the unchanged scripts against gloo: DDP and FSDP2, with the same parameters (2 ranks)
+    assert "## Unchanged scripts: DDP and FSDP2 on hcomm against gloo" in text, text
+    assert "| DDP |" in text and "| FSDP2 (fully_shard) |" in text and "| not slower | yes |" in text, text
     # the report can be written again from the kept results, identically
     again = tmp_path / "again.md"
     p = subprocess.run(

@@ -7,8 +7,13 @@ computed with numpy: ((x0 + x1) + x2) + ...
 (comm.accumulate = "f32"): f16 sums are computed in f32 and rounded once, whatever the
 algorithm; "native" rounds at every step (rank 0 gives 2048, where the f16 step is 2, and the
 others 1: rounded once the sum is 2048 + 2n - 2 rounded to even, step by step it stays 2048
-on the ring's chunks that start at rank 0)."""
+on the ring's chunks that start at rank 0).
 
+`skip-zeros` (2 ranks, each claiming a host of its own; `skip-zeros-off` with
+HCOMM_SKIP_ZEROS=0 set by the test): the all-reduce of a mostly-zero vector gives the dense
+all-reduce's bits with comm.skip_zeros on, and moves less than a quarter of its bytes."""
+
+import os
 import sys
 
 import numpy as np
@@ -16,7 +21,36 @@ import numpy as np
 import hcomm
 
 mode = sys.argv[1]
+if mode.startswith("skip-zeros"):
+    # each rank claims a host of its own: the all-reduce crosses "hosts" over TCP
+    os.environ["HCOMM_HOST_ID"] = f"host{os.environ['RANK']}"
 comm = hcomm.Communicator.from_env()
+if mode.startswith("skip-zeros"):
+    # skip-zeros: on by default, the bits of the dense all-reduce, fewer bytes;
+    # skip-zeros-off: HCOMM_SKIP_ZEROS=0 set by the test
+    r = comm.rank
+    assert comm.skip_zeros == (mode == "skip-zeros"), comm.skip_zeros
+    x = np.zeros(1 << 18, dtype=np.float32)  # 1 MiB: 1024 blocks of 1 KiB
+    rng = np.random.default_rng(r)
+    for row in rng.choice(1024, 40, replace=False):  # 40 non-zero blocks per rank
+        x[row * 256:(row + 1) * 256] = rng.uniform(-1, 1, 256)
+    x[5 * 256 + 3] = -0.0 if r == 0 else 0.0  # a -0.0 facing a +0.0: the dense sum gives +0.0
+
+    def reduced(on):
+        comm.skip_zeros = on
+        before = sum(t.tcp_sent for t in comm.traffic())
+        buf = x.copy()
+        comm.all_reduce(buf)
+        return buf, sum(t.tcp_sent for t in comm.traffic()) - before
+
+    dense, dense_bytes = reduced(False)
+    skipped, skip_bytes = reduced(True)
+    assert skipped.tobytes() == dense.tobytes(), f"rank {r}: skipping zero blocks changed the bits"
+    assert dense_bytes >= x.nbytes, dense_bytes
+    assert skip_bytes * 4 < dense_bytes, f"rank {r}: {skip_bytes} bytes against the dense {dense_bytes}"
+    print(f"skip-zeros ok: {skip_bytes} bytes against {dense_bytes}", flush=True)
+    print("WORKER OK", flush=True)
+    sys.exit(0)
 if mode.startswith("accumulate"):
     n, r = comm.world_size, comm.rank
     if mode == "accumulate-property":
