@@ -42,9 +42,9 @@ TAG = "TRAIN_DDP_RESULT "
 PREFIX = "hctr"  # namespace names of this script's cluster (hctrh0, hctrh1, hctrsw)
 MASTER = "10.77.0.10"
 MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
-         "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo")
+         "ddp-gloo,ddp-gloo-sparse,ddp-hcomm-dense,fsdp2-hcomm,fsdp2-gloo")
 #: the 100 Mbit/s run: every step moves ~93 MB at 12.5 MB/s, so fewer modes and steps
-SLOW_MODES = "local,naive,overlap,skipzeros,sparse,compressed:int8,compressed:topk:1%,ddp-gloo,ddp-gloo-sparse"
+SLOW_MODES = "local,naive,overlap,skipzeros,sparse,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-dense,ddp-gloo,ddp-gloo-sparse"
 
 #: Peer figures for the 6x512 encoder, 2 ranks on a 1 Gbit/s veth link (../shared/bench/BASELINE.md)
 #: and the issue's targets derived from them.
@@ -207,7 +207,7 @@ def svg_plot(groups, path):
         for r in res:
             if r["mode"] not in modes:
                 modes.append(r["mode"])
-    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#499894", "#79706e"]
+    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#499894", "#79706e", "#8cd17d", "#b6992d"]
     bar_h, gap, left, width = 13, 18, 300, 560
     height = 60 + sum(len(res) * bar_h + gap + 16 for _, res in groups) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" font-family="sans-serif" font-size="11">',
@@ -343,7 +343,9 @@ def backend_section(groups):
                 continue
             f, fmin = g["step_ms"] / h["step_ms"], g["step_ms_min"] / h["step_ms_min"]
             same = "-" if "csum" not in g or "csum" not in h else yes(g["csum"] == h["csum"])
-            target = f"≥ {BACKEND_TARGETS[kind]:.2f}x" if "Gbit" in title or "Mbit" in title else "not slower"
+            # the issue's lossless targets are for the 1 Gbit/s link (and "never slower" on
+            # loopback); at 100 Mbit/s it sets one only with compression
+            target = f"≥ {BACKEND_TARGETS[kind]:.2f}x" if "Gbit" in title else "-" if "Mbit" in title else "not slower"
             lines.append(f"| {title} | {label} | {g['step_ms']:,.0f} ({g['step_ms_min']:,.0f}) | {h['step_ms']:,.0f} ({h['step_ms_min']:,.0f}) | "
                          f"{f:.2f}x ({fmin:.2f}x) | {target} | {same} |")
     return "\n".join(lines) if len(lines) > 2 else ""
@@ -535,8 +537,11 @@ on that machine, so they are compared here as ratios to this machine's compute-o
 ## Unchanged scripts: DDP and FSDP2 on hcomm against gloo
 
 The same script with the backend string changed (`init_process_group("hcomm")`; hcomm's default
-settings: lossless, so the parameters must equal gloo's). *same parameters*: the sum and the sum of
-magnitudes of every parameter after the run, in float64, equal to the last bit.
+settings: lossless). *same parameters*: the sum and the sum of magnitudes of every parameter after
+the run, in float64, equal to the last bit. With 2 ranks every sum has two terms, so any lossless
+schedule gives gloo's bits; with 4 the order of the additions differs (gloo's ring, hcomm's
+shared-memory fold or hierarchical all-reduce) and so do the last bits, as between any two
+schedules (the losses still agree: see the tolerance table).
 
 {backends}
 """)
