@@ -223,3 +223,30 @@ fn turned_off_it_moves_the_dense_bytes() {
     ));
     assert!(sent.iter().all(|&s| s >= 1 << 18), "{sent:?}");
 }
+
+#[test]
+fn ranks_that_disagree_on_skipping_fail_with_a_mismatch() {
+    let results = run_threads_on_hosts_configured(
+        &["h0", "h1"],
+        Duration::from_secs(10),
+        |cfg| cfg,
+        |c| {
+            c.set_skip_zeros(c.rank() == 0);
+            let mut x = vec![1f32; 1 << 16];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum)
+        },
+    );
+    // Each rank fails at once (not at the timeout), naming both schedules.
+    for (r, res) in results.iter().enumerate() {
+        let e = res
+            .as_ref()
+            .expect_err("a disagreement must fail")
+            .to_string();
+        assert!(
+            e.contains("collective mismatch")
+                && e.contains("algo=skip-zeros")
+                && e.contains("algo=ring"),
+            "rank {r}: {e}"
+        );
+    }
+}

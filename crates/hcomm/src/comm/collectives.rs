@@ -130,6 +130,7 @@ impl Communicator {
                 }
                 if skip_zeros {
                     // Two ranks on different hosts: bitwise what any dense schedule gives.
+                    run.run.fp.algo = crate::wire::collective::SKIP_ZEROS_CODE;
                     skip_zeros::all_reduce_pair(run, recv, dtype, op)?;
                     run.ran = Some("skip-zeros");
                 } else if n > 1 {

@@ -215,6 +215,11 @@ impl Collective {
     }
 }
 
+/// The fingerprint's algorithm code of the zero-skipping pair exchange
+/// (`crate::algo::skip_zeros`), which runs in place of the chosen algorithm (not an [`Algo`]
+/// one can force): ranks that disagree on skipping zeros fail with a mismatch that names it.
+pub const SKIP_ZEROS_CODE: u8 = 11;
+
 /// Human-readable description of a frame's call, for mismatch errors.
 pub fn describe_frame(h: &Header) -> String {
     match h.kind {
@@ -232,7 +237,9 @@ pub fn describe_frame(h: &Header) -> String {
             if h.root != u32::MAX {
                 s += &format!(", root={}", h.root);
             }
-            if let Some(a) = Algo::from_code(h.algo).filter(|a| *a != Algo::Auto) {
+            if h.algo == SKIP_ZEROS_CODE {
+                s += ", algo=skip-zeros";
+            } else if let Some(a) = Algo::from_code(h.algo).filter(|a| *a != Algo::Auto) {
                 s += &format!(", algo={a}");
             }
             s + &format!(") at seq {}", h.seq)
