@@ -36,6 +36,10 @@ Modes (every one trains the same model from the same seed on the same per-rank b
   fsdp2-hcomm, fsdp2-gloo
                FSDP2 (fully_shard on each encoder layer, then the root) on the "hcomm"
                backend and on gloo
+  fsdp2-hcomm-prefetch, fsdp2-gloo-prefetch
+               the same with explicit prefetching (set_modules_to_forward_prefetch /
+               set_modules_to_backward_prefetch: the next layer's all-gather starts when this
+               layer's does)
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -71,9 +75,9 @@ import hcomm
 import hcomm.torch  # noqa: F401  (registers the "hcomm" backend)
 
 MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "sparse", "ddp-hcomm", "ddp-hcomm-sparse", "ddp-gloo", "ddp-gloo-sparse",
-         "ddp-hcomm-dense", "fsdp2-hcomm", "fsdp2-gloo")
+         "ddp-hcomm-dense", "fsdp2-hcomm", "fsdp2-gloo", "fsdp2-hcomm-prefetch", "fsdp2-gloo-prefetch")
 #: modes whose collectives run on torch's gloo group (no hcomm bytes)
-GLOO_MODES = ("ddp-gloo", "ddp-gloo-sparse", "fsdp2-gloo")
+GLOO_MODES = ("ddp-gloo", "ddp-gloo-sparse", "fsdp2-gloo", "fsdp2-gloo-prefetch")
 DEFAULT_MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
                  "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo")
 TAG = "TRAIN_DDP_RESULT "
@@ -229,17 +233,27 @@ class Trainer:
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
         elif self.base in ("ddp-gloo", "ddp-gloo-sparse"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
-        elif self.base in ("fsdp2-hcomm", "fsdp2-gloo"):
+        elif self.base.startswith("fsdp2-"):
             # FSDP2 as its users write it: each encoder layer a unit, then the root (embeddings,
             # pooler, head); parameters sharded over the group, gathered for forward and backward
             # (prefetching the next layer), gradients reduce-scattered and averaged
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = DeviceMesh.from_group(gloo if self.base == "fsdp2-gloo" else dist.group.WORLD, "cpu")
-            for layer in self.model.encoder.layers:
+            mesh = DeviceMesh.from_group(gloo if self.base in GLOO_MODES else dist.group.WORLD, "cpu")
+            layers = list(self.model.encoder.layers)
+            for layer in layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
+            if self.base.endswith("-prefetch"):
+                # explicit prefetching: each layer's unshard starts the next one's all-gather
+                # (forward) or the previous one's (backward), so that it runs while this layer
+                # computes; FSDP2's implicit prefetching overlaps through CUDA streams only
+                for i, layer in enumerate(layers):
+                    if i + 1 < len(layers):
+                        layer.set_modules_to_forward_prefetch([layers[i + 1]])
+                    if i > 0:
+                        layer.set_modules_to_backward_prefetch([layers[i - 1]])
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fusion = None
         self.sparse_work = None

@@ -337,8 +337,9 @@ def backend_section(groups):
              "|---|---|---|---|---|---|---|"]
     for title, res in groups:
         by = {r["mode"]: r for r in res}
-        for kind, label in (("ddp", "DDP"), ("fsdp2", "FSDP2 (fully_shard)")):
-            g, h = by.get(f"{kind}-gloo"), by.get(f"{kind}-hcomm")
+        for kind, label, suffix in (("ddp", "DDP", ""), ("fsdp2", "FSDP2 (fully_shard)", ""),
+                                    ("fsdp2", "FSDP2, explicit prefetching", "-prefetch")):
+            g, h = by.get(f"{kind}-gloo{suffix}"), by.get(f"{kind}-hcomm{suffix}")
             if not g or not h:
                 continue
             f, fmin = g["step_ms"] / h["step_ms"], g["step_ms_min"] / h["step_ms_min"]
