@@ -37,9 +37,10 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                FSDP2 (fully_shard on each encoder layer, then the root) on the "hcomm"
                backend and on gloo
   fsdp2-hcomm-prefetch, fsdp2-gloo-prefetch
-               the same with explicit prefetching (set_modules_to_forward_prefetch /
-               set_modules_to_backward_prefetch: the next layer's all-gather starts when this
-               layer's does)
+               the same with asynchronous all-gathers and explicit prefetching
+               (_set_unshard_async_op(True), set_modules_to_forward_prefetch /
+               set_modules_to_backward_prefetch: the next layer's all-gather runs while this
+               layer computes; FSDP2's own overlap works through CUDA streams)
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -246,9 +247,14 @@ class Trainer:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
             if self.base.endswith("-prefetch"):
-                # explicit prefetching: each layer's unshard starts the next one's all-gather
-                # (forward) or the previous one's (backward), so that it runs while this layer
-                # computes; FSDP2's implicit prefetching overlaps through CUDA streams only
+                # FSDP2 issues its all-gathers with async_op=False and overlaps them through
+                # CUDA streams; on CPU each one blocks the training thread. Asynchronous
+                # unshards (a private switch, torch 2.15) plus explicit prefetching (each
+                # layer's unshard starts the next one's all-gather in forward, the previous
+                # one's in backward) let the all-gather run while the layer computes. The
+                # reduce-scatters stay blocking: FSDP2 issues them with async_op=False.
+                for m in layers + [self.model]:
+                    m._set_unshard_async_op(True)
                 for i, layer in enumerate(layers):
                     if i + 1 < len(layers):
                         layer.set_modules_to_forward_prefetch([layers[i + 1]])
