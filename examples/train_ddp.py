@@ -37,10 +37,9 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                FSDP2 (fully_shard on each encoder layer, then the root) on the "hcomm"
                backend and on gloo
   fsdp2-hcomm-prefetch, fsdp2-gloo-prefetch
-               the same with asynchronous all-gathers and explicit prefetching
-               (_set_unshard_async_op(True), set_modules_to_forward_prefetch /
-               set_modules_to_backward_prefetch: the next layer's all-gather runs while this
-               layer computes; FSDP2's own overlap works through CUDA streams)
+               the same with hcomm.torch.overlap_fsdp(model): asynchronous all-gathers and
+               explicit prefetching (the next layer's all-gather runs while this layer
+               computes; FSDP2's own overlap works through CUDA streams)
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -80,7 +79,7 @@ MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "spars
 #: modes whose collectives run on torch's gloo group (no hcomm bytes)
 GLOO_MODES = ("ddp-gloo", "ddp-gloo-sparse", "fsdp2-gloo", "fsdp2-gloo-prefetch")
 DEFAULT_MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
-                 "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo")
+                 "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm-prefetch")
 TAG = "TRAIN_DDP_RESULT "
 #: modes that wait for communication after backward (DDP waits inside it)
 WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "skipzeros", "compressed", "sparse")
@@ -248,18 +247,10 @@ class Trainer:
             fully_shard(self.model, mesh=mesh)
             if self.base.endswith("-prefetch"):
                 # FSDP2 issues its all-gathers with async_op=False and overlaps them through
-                # CUDA streams; on CPU each one blocks the training thread. Asynchronous
-                # unshards (a private switch, torch 2.15) plus explicit prefetching (each
-                # layer's unshard starts the next one's all-gather in forward, the previous
-                # one's in backward) let the all-gather run while the layer computes. The
-                # reduce-scatters stay blocking: FSDP2 issues them with async_op=False.
-                for m in layers + [self.model]:
-                    m._set_unshard_async_op(True)
-                for i, layer in enumerate(layers):
-                    if i + 1 < len(layers):
-                        layer.set_modules_to_forward_prefetch([layers[i + 1]])
-                    if i > 0:
-                        layer.set_modules_to_backward_prefetch([layers[i - 1]])
+                # CUDA streams; on CPU each one blocks the training thread. overlap_fsdp makes
+                # the unshards asynchronous and each layer prefetch its neighbour's all-gather
+                # (the next in forward, the previous in backward), on any backend.
+                hcomm.torch.overlap_fsdp(self.model)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fusion = None
         self.sparse_work = None

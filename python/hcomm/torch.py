@@ -62,7 +62,8 @@ from . import _hcomm
 from ._core import Communicator, CompressionState, Work
 from .errors import HcommError, HcommTimeoutError, InvalidArgumentError, PeerError
 
-__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "bucket_trace_hook", "MonitoredBarrierError", "reductions"]
+__all__ = ["HcommBackend", "BACKEND_NAME", "communicator_of", "CompressionHookState", "compression_hook", "bucket_trace_hook", "MonitoredBarrierError", "reductions",
+           "overlap_fsdp"]
 
 #: The name to pass to ``init_process_group`` / ``new_group``.
 BACKEND_NAME = "hcomm"
@@ -1322,6 +1323,41 @@ class CompressionHookState:
 
     def __repr__(self) -> str:
         return f"<hcomm.torch.CompressionHookState {self.compressor} error_feedback={self.error_feedback} buckets={len(self.states)}>"
+
+
+def overlap_fsdp(model: torch.nn.Module, depth: int = 1) -> int:
+    """Make FSDP2's all-gathers overlap with compute on CPU: one line after ``fully_shard``.
+
+    FSDP2 issues its all-gathers with ``async_op=False`` and overlaps them through CUDA
+    streams; on CPU each one blocks the training thread until the parameters have arrived.
+    This sets every FSDP2 unit of ``model`` to unshard asynchronously
+    (``_set_unshard_async_op(True)``, torch's private switch) and each unit below the root to
+    prefetch the next ``depth`` units' all-gathers in forward and the previous ``depth`` in
+    backward (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``),
+    taking the units in ``model.modules()`` order, which must be the order forward runs them
+    (true of a stack of layers sharded one by one). It changes when parameters arrive, not
+    what is computed: the results are bitwise those without it. Works on any backend (gloo
+    too); the reduce-scatters stay blocking (FSDP2 issues them with ``async_op=False``).
+    Returns the number of FSDP2 units. Measured on the 6x512 encoder, 2 hosts at 1 Gbit/s
+    (docs/training.md): 3,222 ms per step without, 2,765 with, on hcomm."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if depth < 1:
+        raise InvalidArgumentError(f"overlap_fsdp: depth must be at least 1, got {depth}")
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise InvalidArgumentError("overlap_fsdp: no FSDP2 unit in the model (call fully_shard first)")
+    for m in units:
+        m._set_unshard_async_op(True)
+    inner = [m for m in units if m is not model]
+    for i, m in enumerate(inner):
+        forward = inner[i + 1:i + 1 + depth]
+        backward = inner[max(0, i - depth):i][::-1]
+        if forward:
+            m.set_modules_to_forward_prefetch(forward)
+        if backward:
+            m.set_modules_to_backward_prefetch(backward)
+    return len(units)
 
 
 def compression_hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future:

@@ -26,6 +26,7 @@ TOLERANCE = {
     "ddp-gloo-sparse": 1e-4,
     "fsdp2-hcomm": 1e-4,
     "fsdp2-gloo": 1e-4,
+    "fsdp2-hcomm-prefetch": 1e-4,
     "compressed:fp16": 2e-3,
     "compressed:int8": 2e-3,
     "compressed:topk:1%": 2e-2,
@@ -75,6 +76,8 @@ def test_train_ddp_quick_every_mode(tmp_path):
     # FSDP2 on the two backends: the same parameters at the end (two ranks: every sum has two
     # terms), and the shards' all-gathers and reduce-scatters on hcomm's counters
     assert results["fsdp2-hcomm"]["csum"] == results["fsdp2-gloo"]["csum"]
+    # hcomm.torch.overlap_fsdp changes when the parameters arrive, not the arithmetic
+    assert results["fsdp2-hcomm-prefetch"]["csum"] == results["fsdp2-hcomm"]["csum"]
     assert results["fsdp2-hcomm"]["hcomm_sent_per_step"] >= naive["grad_bytes"] * 0.99
     assert results["fsdp2-gloo"]["hcomm_sent_per_step"] is None
 
@@ -120,3 +123,19 @@ def test_training_report_quick_on_loopback(tmp_path):
     )
     assert p.returncode == 0, p.stdout
     assert again.read_text() == text
+
+
+@needs_torch
+def test_overlap_fsdp_refuses_what_it_cannot_use():
+    import torch
+
+    import hcomm.torch
+    from hcomm.errors import InvalidArgumentError
+
+    for model, depth, words in ((torch.nn.Linear(2, 2), 1, "no FSDP2 unit"), (torch.nn.Linear(2, 2), 0, "depth must be at least 1")):
+        try:
+            hcomm.torch.overlap_fsdp(model, depth)
+        except InvalidArgumentError as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"overlap_fsdp({model}, {depth}) was accepted")
