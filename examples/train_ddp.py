@@ -40,6 +40,11 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                the same with hcomm.torch.overlap_fsdp(model): asynchronous all-gathers and
                explicit prefetching (the next layer's all-gather runs while this layer
                computes; FSDP2's own overlap works through CUDA streams)
+  ddp-hcomm:C  ddp-hcomm with one more line, the compression hook:
+               ddp.register_comm_hook(hcomm.torch.CompressionHookState(C), compression_hook)
+  fsdp2-hcomm:C, fsdp2-hcomm-prefetch:C
+               the FSDP2 modes with one more line, hcomm.torch.compress_fsdp(model, C): the
+               gradient reduce-scatters compressed (fp16, bf16, int8, sign; error feedback)
 
 The modes' steps interleave (step i of every mode, then step i + 1; each mode keeps its own
 model, optimizer and dropout generator), so that load from elsewhere on the machine falls on
@@ -78,8 +83,11 @@ MODES = ("local", "naive", "fused", "overlap", "skipzeros", "compressed", "spars
          "ddp-hcomm-dense", "fsdp2-hcomm", "fsdp2-gloo", "fsdp2-hcomm-prefetch", "fsdp2-gloo-prefetch")
 #: modes whose collectives run on torch's gloo group (no hcomm bytes)
 GLOO_MODES = ("ddp-gloo", "ddp-gloo-sparse", "fsdp2-gloo", "fsdp2-gloo-prefetch")
+#: modes that take a compressor (MODE:COMPRESSOR): hcomm's own loop, DDP on hcomm with
+#: hcomm.torch.compression_hook, FSDP2 on hcomm with hcomm.torch.compress_fsdp
+COMPRESSIBLE = ("compressed", "ddp-hcomm", "fsdp2-hcomm", "fsdp2-hcomm-prefetch")
 DEFAULT_MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
-                 "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm-prefetch")
+                 "ddp-gloo,ddp-gloo-sparse,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm-prefetch,ddp-hcomm:int8,fsdp2-hcomm:int8")
 TAG = "TRAIN_DDP_RESULT "
 #: modes that wait for communication after backward (DDP waits inside it)
 WAITS_AFTER_BACKWARD = ("naive", "fused", "overlap", "skipzeros", "compressed", "sparse")
@@ -139,13 +147,15 @@ def parse_args(argv=None):
     for m in a.modes:
         base, _, comp = m.partition(":")
         if base not in MODES:
-            p.error(f"unknown mode {m!r} (one of {', '.join(MODES)}; compressed:COMPRESSOR)")
+            p.error(f"unknown mode {m!r} (one of {', '.join(MODES)}; {', '.join(COMPRESSIBLE)} take :COMPRESSOR)")
         if base == "compressed" and not comp:
             p.error("compressed needs a compressor: compressed:fp16, compressed:int8, compressed:topk:1%")
-        if comp and base != "compressed":
-            p.error(f"mode {m!r}: only compressed takes a compressor")
+        if comp and base not in COMPRESSIBLE:
+            p.error(f"mode {m!r}: only {', '.join(COMPRESSIBLE)} take a compressor")
         if comp:
             hcomm.CompressionState(comp)  # an unknown compressor fails here, on every rank
+            if base != "compressed" and comp.startswith(("topk", "randk")) and base.startswith("fsdp2"):
+                p.error(f"mode {m!r}: FSDP2's reduce-scatter compresses with fp16, bf16, int8 or sign")
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be at least 1 and --warmup non-negative")
     return a
@@ -231,6 +241,8 @@ class Trainer:
         self.net = self.model
         if self.base in ("ddp-hcomm", "ddp-hcomm-sparse", "ddp-hcomm-dense"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
+            if compressor:  # one line: DDP's buckets all-reduced compressed by hcomm
+                self.net.register_comm_hook(hcomm.torch.CompressionHookState(compressor), hcomm.torch.compression_hook)
         elif self.base in ("ddp-gloo", "ddp-gloo-sparse"):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=gloo, bucket_cap_mb=a.bucket_mb)
         elif self.base.startswith("fsdp2-"):
@@ -251,6 +263,8 @@ class Trainer:
                 # the unshards asynchronous and each layer prefetch its neighbour's all-gather
                 # (the next in forward, the previous in backward), on any backend.
                 hcomm.torch.overlap_fsdp(self.model)
+            if compressor:  # one line: FSDP2's reduce-scatters compressed by hcomm
+                hcomm.torch.compress_fsdp(self.model, compressor)
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fusion = None
         self.sparse_work = None
@@ -536,10 +550,10 @@ def main(argv=None) -> int:
         print(f"# {world} ranks on {results[0]['hosts']} host(s), model {results[0]['model']} "
               f"({results[0]['params'] / 1e6:.2f} M parameters, {results[0]['grad_bytes'] / 1e6:.1f} MB of gradients), "
               f"{a.steps} timed steps", flush=True)
-        print(f"{'mode':22s} {'step ms':>8s} {'wait ms':>8s} {'exposed':>8s} {'hcomm MB':>9s} {'link MB':>8s} {'util':>6s} {'loss':>8s} {'eval acc':>8s}  identical", flush=True)
+        print(f"{'mode':26s} {'step ms':>8s} {'wait ms':>8s} {'exposed':>8s} {'hcomm MB':>9s} {'link MB':>8s} {'util':>6s} {'loss':>8s} {'eval acc':>8s}  identical", flush=True)
         for r in results:
             exposed = (r["step_ms"] - local) / r["step_ms"] if local and r["mode"] != "local" else None
-            print(f"{r['mode']:22s} {r['step_ms']:8.1f} {fmt(r['wait_ms'], '%8.1f', '       -')} {fmt(exposed, '%8.3f', '       -')} "
+            print(f"{r['mode']:26s} {r['step_ms']:8.1f} {fmt(r['wait_ms'], '%8.1f', '       -')} {fmt(exposed, '%8.3f', '       -')} "
                   f"{fmt(r['hcomm_sent_per_step'] and r['hcomm_sent_per_step'] / 1e6, '%9.2f', '        -')} "
                   f"{fmt(r['link_bytes_per_step'] and r['link_bytes_per_step'] / 1e6, '%8.2f', '       -')} "
                   f"{fmt(r['link_util'], '%6.2f', '     -')} {r['loss']:8.4f} {fmt(r['eval_acc'], '%8.3f', '       -')}  "

@@ -229,19 +229,19 @@ class CompressionState:
         return repr(self._s).replace("hcomm._hcomm.", "hcomm.")
 
 
-def _compression_state(compressor: Optional[str], state: Optional[CompressionState]) -> CompressionState:
-    """The state an all_reduce_compressed call uses: `state`, or a fresh one for `compressor`."""
+def _compression_state(compressor: Optional[str], state: Optional[CompressionState], op: str = "all_reduce_compressed") -> CompressionState:
+    """The state a compressed call uses: `state`, or a fresh one for `compressor`."""
     if state is None:
         if compressor is None:
-            raise InvalidArgumentError("all_reduce_compressed: give a compressor (e.g. 'int8') or a CompressionState")
+            raise InvalidArgumentError(f"{op}: give a compressor (e.g. 'int8') or a CompressionState")
         return CompressionState(compressor, error_feedback=False)
     if not isinstance(state, CompressionState):
-        raise TypeError(f"all_reduce_compressed: state must be a hcomm.CompressionState, got {type(state).__name__}")
+        raise TypeError(f"{op}: state must be a hcomm.CompressionState, got {type(state).__name__}")
     if compressor is not None:
         mine = CompressionState(compressor).compressor  # canonical form (validates it too)
         if mine != state.compressor:
             raise InvalidArgumentError(
-                f"all_reduce_compressed: compressor {compressor!r} ({mine}) differs from the state's {state.compressor}; "
+                f"{op}: compressor {compressor!r} ({mine}) differs from the state's {state.compressor}; "
                 "give one of them"
             )
     return state
@@ -991,6 +991,57 @@ class Communicator:
         not touch `tensor` or use `state` elsewhere before it completes (operations on one
         state run in issue order)."""
         return self._all_reduce_compressed(tensor, compressor, state, op, True)
+
+    def _reduce_scatter_compressed(self, tensor: Any, compressor: Optional[str], state: "Optional[CompressionState]", op: str, out: Any,
+                                   a: bool) -> Any:
+        name = "reduce_scatter_compressed"
+        _check_tensor(name, "tensor", tensor)
+        state = _compression_state(compressor, state, name)
+        shape = list(_shape(tensor))
+        _dim(name, 0, len(shape))
+        w = self.world_size
+        if shape[0] % w:
+            raise InvalidArgumentError(f"{name}: dim 0 of the tensor ({shape[0]}) does not divide into {w} equal shares")
+        out = _check_out(name, out, tensor, [shape[0] // w] + shape[1:])
+        engine = self._c.reduce_scatter_compressed(tensor, out, state._s, op, a)
+        return self._finish(engine, out, (tensor, out, state))
+
+    def reduce_scatter_compressed(
+        self,
+        tensor: Any,
+        compressor: Optional[str] = None,
+        state: "Optional[CompressionState]" = None,
+        op: str = "sum",
+        out: Any = None,
+    ) -> Any:
+        """:meth:`reduce_scatter` of the float32 `tensor` (sum or mean) while a compressed form
+        of each rank's share travels, FSDP's gradient reduction: rank r gets rows ``[r * n,
+        (r + 1) * n)`` of the reduction (``n = tensor.shape[0] // world_size``), in a new
+        tensor or `out`; `tensor` is unchanged.
+
+        `compressor` is ``"fp16"``, ``"bf16"``, ``"int8[:BLOCK]"``, ``"int8sr[:BLOCK]"``,
+        ``"sign[:BLOCK]"`` or ``"none"`` (top-k and random-k pick elements of the whole vector
+        and are refused). Give a :class:`CompressionState` as `state` and keep it for the next
+        steps of the same tensor: its residual (one value per element of `tensor`) is added
+        to the next input (error feedback). Each rank sends ``(n-1)/n`` of its encoded tensor,
+        as a ring reduce-scatter does with the dense one.
+
+        Raises :class:`InvalidArgumentError` for a dtype other than float32, an op other than
+        sum/mean, a tensor that does not divide into world_size shares, a top-k/random-k or
+        unknown compressor, or a state used with another tensor size."""
+        return self._reduce_scatter_compressed(tensor, compressor, state, op, out, False)
+
+    def reduce_scatter_compressed_async(
+        self,
+        tensor: Any,
+        compressor: Optional[str] = None,
+        state: "Optional[CompressionState]" = None,
+        op: str = "sum",
+        out: Any = None,
+    ) -> Work:
+        """:meth:`reduce_scatter_compressed` in the background; ``wait()`` returns the share.
+        Do not touch `tensor` or `out`, or use `state` elsewhere, before it completes."""
+        return self._reduce_scatter_compressed(tensor, compressor, state, op, out, True)
 
     # -- sparse ----------------------------------------------------------------------------
 

@@ -122,6 +122,28 @@ def test_argument_errors(comm):
         comm.all_reduce_compressed(np.ones(65, np.float32), state=st)
 
 
+def test_reduce_scatter_compressed_argument_errors(comm):
+    x = np.ones(64, np.float32)
+    with pytest.raises(hcomm.InvalidArgumentError, match="float64"):
+        comm.reduce_scatter_compressed(np.ones(64), "int8")
+    with pytest.raises(hcomm.InvalidArgumentError, match="sums or averages"):
+        comm.reduce_scatter_compressed(x, "fp16", op="max")
+    with pytest.raises(hcomm.InvalidArgumentError, match="picks elements of the whole vector"):
+        comm.reduce_scatter_compressed(x, "topk:1%")
+    with pytest.raises(ValueError, match="reduce_scatter_compressed: give a compressor"):
+        comm.reduce_scatter_compressed(x)
+    with pytest.raises(hcomm.InvalidArgumentError, match="out has shape"):
+        comm.reduce_scatter_compressed(x, "int8", out=np.zeros(3, np.float32))
+    with pytest.raises(hcomm.InvalidArgumentError, match="overlap"):
+        comm.reduce_scatter_compressed(x, "int8", out=x)
+    st = hcomm.CompressionState("int8:16")
+    y = comm.reduce_scatter_compressed(np.linspace(-1, 1, 64, dtype=np.float32), state=st)
+    # one rank: the share is the input as int8 kept it, the residual what it dropped
+    assert np.allclose(y + st.residual, np.linspace(-1, 1, 64, dtype=np.float32), atol=1e-6)
+    with pytest.raises(hcomm.InvalidArgumentError, match="64-element tensor"):
+        comm.reduce_scatter_compressed(np.ones(32, np.float32), state=st)
+
+
 def test_fusion_argument_errors(comm):
     with pytest.raises(hcomm.InvalidArgumentError, match="summed or averaged"):
         comm.fusion(op="max", compression="int8")

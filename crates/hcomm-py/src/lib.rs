@@ -848,6 +848,60 @@ impl PyComm {
         Ok(None)
     }
 
+    /// Reduce-scatter `send` (float32, `world_size` equal chunks) into `recv` (one chunk)
+    /// compressed with `state`'s compressor (fp16, bf16, int8, int8sr, sign or none); `op` is
+    /// sum or mean. Runs on the progress engine, like `all_reduce_compressed`. Errors: a dtype
+    /// other than float32, another op, sizes that do not match, a top-k or random-k state, a
+    /// state bound to another tensor size (`InvalidArgumentError`).
+    #[pyo3(signature = (send, recv, state, op = "sum", async_op = false))]
+    #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
+    fn reduce_scatter_compressed(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: &Bound<'_, PyAny>,
+        state: &Bound<'_, PyCompression>,
+        op: &str,
+        async_op: bool,
+    ) -> PyResult<Option<PyWork>> {
+        const OP: &str = "reduce_scatter_compressed";
+        let op = parse_op(op)?;
+        let r = buffer(OP, "out", recv, true)?;
+        let s = buffer(OP, "tensor", send, false)?;
+        for (what, b) in [("tensor", &s), ("out", &r)] {
+            if b.dtype != DType::F32 {
+                let c = state.get().with(py, |s| s.compressor());
+                return Err(to_pyerr(
+                    py,
+                    hcomm::Error::invalid(
+                        OP,
+                        0,
+                        format!(
+                            "{what} has dtype {}; compressed reduce-scatter takes float32 (compressor {c})",
+                            dtype_name(b.dtype)
+                        ),
+                    ),
+                ));
+            }
+        }
+        separate(OP, &s, &r)?;
+        let st = state.get().state.clone();
+        let objects = keep(&[Some(send), Some(recv), Some(state.as_any())]);
+        let w = work::submit(&self.comm, OP, objects, move |c| {
+            let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `send` and `recv` are kept alive by the Work until this job ends, and
+            // do not overlap (checked above); the caller must not touch them before wait().
+            unsafe {
+                c.reduce_scatter_compressed_bytes(s.bytes(), r.bytes_mut(), r.dtype, op, &mut st)
+            }
+        });
+        if async_op {
+            return Ok(Some(w));
+        }
+        w.wait(py, None)?;
+        Ok(None)
+    }
+
     /// Sparse all-reduce of a row-sparse tensor: `indices` (int64, one per row) and `values`
     /// (`len(indices) * row_len` elements, row after row); `op` is sum or mean. The inputs are
     /// copied at the call. Returns (Work or None, result holder): the holder's `take()` gives

@@ -206,4 +206,37 @@ fno, _ = fused("topk:10%", steps=2, error_feedback=False)
 assert fno.error_feedback is False and fno.compression_memory()[1] == 0, "no residuals without error feedback"
 ok("fusion with compression: none == plain, fp16 close, one state per bucket")
 
+# -- compressed reduce-scatter (FSDP's gradient reduction) ------------------------------------
+M = 1001  # per rank: odd, a short last block in every chunk
+x = grad(5, n=W * M)
+plain = comm.reduce_scatter(tensor(x))
+assert np.array_equal(arr(comm.reduce_scatter_compressed(tensor(x), "none")), arr(plain)), "none == reduce_scatter"
+ref = sum(grad(5, r, W * M).astype(np.float64) for r in range(W))[R * M:(R + 1) * M]
+for comp in ("fp16", "bf16", "int8:64", "int8sr:64", "sign:128"):
+    t = tensor(x)
+    y = arr(comm.reduce_scatter_compressed(t, comp))
+    assert np.array_equal(arr(t), x), f"{comp}: the input is left unchanged"
+    assert y.shape == (M,) and y.dtype == np.float32, (comp, y.shape, y.dtype)
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    limit = {"fp16": 2e-3, "bf16": 1e-2, "int8:64": 3e-2, "int8sr:64": 5e-2}.get(comp, 1.0)
+    assert rel <= limit, f"reduce_scatter_compressed {comp}: relative error {rel}"
+    # mean, async, and an out tensor give the sum / W, bitwise
+    out = tensor(np.zeros(M, np.float32))
+    w = comm.reduce_scatter_compressed_async(tensor(x), comp, op="mean", out=out)
+    assert w.wait() is out
+    assert np.array_equal(arr(out), (y / np.float32(W)).astype(np.float32)), comp
+# error feedback: the share's results + every rank's residual of the share == the inputs
+for comp in ("fp16", "int8:64", "sign:128"):
+    st = hcomm.CompressionState(comp)
+    total = np.zeros(M)
+    for s in range(STEPS):
+        total += arr(comm.reduce_scatter_compressed(tensor(grad(s, n=W * M)), state=st))
+    left = arr(comm.reduce_scatter(tensor(st.residual.astype(np.float32))))
+    inputs = sum(grad(s, r, W * M).astype(np.float64) for s in range(STEPS) for r in range(W))[R * M:(R + 1) * M]
+    gap = np.abs(total + left - inputs).max() / np.abs(inputs).max()
+    tol = 2e-3 if comp == "fp16" and W > 1 else 2e-6
+    assert gap <= tol, f"reduce_scatter_compressed {comp}: results + residuals vs inputs: {gap:.2e}"
+    assert st.steps == STEPS
+ok("reduce_scatter_compressed: none == reduce_scatter, within bounds, mean/async/out, error feedback conserves")
+
 print("WORKER OK", flush=True)

@@ -64,6 +64,7 @@
 //! ```
 
 pub mod codec;
+mod reduce_scatter;
 mod rng;
 
 use std::fmt;
