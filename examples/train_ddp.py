@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--timeline", default="",
                    help="each rank writes PREFIX.rankN.jsonl: per mode and step, when forward and backward ended, "
                         "when each gradient was pushed and each bucket arrived (seconds of one monotonic clock, "
-                        "comparable across ranks on one machine) [none]")
+                        "comparable across ranks on one machine; add 'wall' for Unix time, as HCOMM_TRACE's) [none]")
     p.add_argument("--quick", action="store_true", help="tiny model (2 layers, hidden 64, vocab 4000, seq 32), 1 + 3 steps")
     a = p.parse_args(argv)
     if a.quick:
@@ -396,7 +396,7 @@ class Trainer:
         self.computes.append((tb - t0) + (t1 - tc))
         self.losses.append(loss.item())
         if self.timeline:
-            ev = {"mode": self.mode, "step": i, "start": t0, "forward_end": tf, "backward_end": tb,
+            ev = {"mode": self.mode, "step": i, "wall": time.time() - time.perf_counter(), "start": t0, "forward_end": tf, "backward_end": tb,
                   "comm_end": tc + self.early_s, "end": t1, **self.events}
             self.timeline.write(json.dumps(ev) + "\n")
             self.events = None

@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per configuration [600]")
     p.add_argument("--train-args", default="", help="more examples/train_ddp.py arguments, e.g. \"--timeline /tmp/t\" [none]")
     p.add_argument("--from-jsonl", default="", help="write the report from a previous run's .jsonl instead of running")
+    p.add_argument("--timeline", default="", metavar="DIR",
+                   help="trace every configuration (HCOMM_TRACE and train_ddp --timeline into DIR/CONFIG) and draw each mode's "
+                        "median step (the .jsonl keeps the summaries; the report gets a -timeline.svg) [off]")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONFIGS)
     for n in names:
@@ -109,7 +112,25 @@ def train_args(a, name):
     args = [str(TRAIN), "--modes", modes, "--steps", str(steps), "--warmup", str(warmup), "--label", name]
     if a.quick:
         args.append("--quick")
+    if a.timeline:
+        args += ["--timeline", str(trace_dir(a, name) / "steps")]
     return args + extra + shlex.split(a.train_args)
+
+
+def trace_dir(a, name):
+    """Where configuration `name` writes its traces with --timeline (made empty)."""
+    return Path(a.timeline).resolve() / name
+
+
+def traced_env(a, name, env):
+    """`env` with HCOMM_TRACE set to the configuration's trace directory (with --timeline)."""
+    if not a.timeline:
+        return env
+    d = trace_dir(a, name)
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return dict(env, HCOMM_TRACE=str(d))
 
 
 def parse_results(out):
@@ -124,7 +145,7 @@ def parse_results(out):
 def run_loopback(a, name):
     _, per_host, _, _, _ = CONFIGS[name]
     cmd = [a.python, "-m", "hcomm", "run", "-n", str(per_host), a.python] + train_args(a, name)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = traced_env(a, name, dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=a.timeout, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{name}: exit {p.returncode}\n{p.stdout[-6000:]}")
@@ -142,6 +163,7 @@ def run_netns(a, name):
     port = 29500 + secrets.randbelow(1000)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
                HCOMM_JOB_TOKEN=secrets.token_hex(24))
+    env = traced_env(a, name, env)
     procs = []
     for h in range(hosts):
         cmd = ["bash", str(CLUSTER), "exec", str(h), "--prefix", PREFIX, "--", a.python, "-m", "hcomm", "run", "-n", str(per_host),
@@ -487,12 +509,162 @@ def run_all(a, argv):
             for r in res:
                 r["config"] = name
                 r["load_after"] = load
+                if a.timeline:
+                    r["timeline"] = step_timeline(trace_dir(a, name), r)
             results += res
     finally:
         if netns_up:
             cluster("down", check=False)
     meta["seconds"] = time.time() - t_start
     return meta, results
+
+
+# ---------------------------------------------------------------- timelines (--timeline)
+
+
+def read_trace(path):
+    """The complete slices ("ph": "X") of one HCOMM_TRACE file (one event per line; the
+    closing bracket may be missing)."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        line = line.strip().rstrip(",")
+        if not line.startswith("{"):
+            continue
+        ev = json.loads(line)
+        if ev.get("ph") == "X":
+            out.append(ev)
+    return out
+
+
+def step_timeline(d, r):
+    """Rank 0's median timed step of mode `r`: its phases (forward, backward, waiting after
+    backward, optimizer) and the hcomm operations that ran during it (from HCOMM_TRACE), in ms
+    from the step's start; None when the files are missing."""
+    steps = d / "steps.rank0.jsonl"
+    if not steps.exists():
+        return None
+    evs = [e for e in map(json.loads, steps.read_text().splitlines()) if e["mode"] == r["mode"]][-r["steps"]:]
+    if not evs:
+        return None
+    ev = sorted(evs, key=lambda e: e["end"] - e["start"])[len(evs) // 2]
+    t0 = ev["start"]
+
+    def ms(t):
+        return round((t - t0) * 1e3, 3)
+
+    phases = [("forward", 0.0, ms(ev["forward_end"])), ("backward", ms(ev["forward_end"]), ms(ev["backward_end"])),
+              ("wait", ms(ev["backward_end"]), ms(ev["comm_end"])), ("optimizer", ms(ev["comm_end"]), ms(ev["end"]))]
+    end = ms(ev["end"])
+    ops = []
+    if "wall" in ev:
+        for x in read_trace(d / "hcomm-trace-rank0.json"):
+            start = ms(x["ts"] / 1e6 - ev["wall"])
+            dur = x.get("dur", 0) / 1e3
+            if start + dur < 0 or start > end:
+                continue
+            args = x.get("args", {})
+            ops.append({"op": x["name"], "start": start, "ms": round(dur, 3), "algo": args.get("algo", ""),
+                        "bytes": args.get("bytes", 0), "wire": args.get("tcp_sent", 0) + args.get("shm_written", 0),
+                        "queue_ms": round(args.get("queue_us", 0) / 1e3, 3), "label": args.get("label", "")})
+    return {"step": ev["step"], "ms": end, "phases": phases, "ops": ops}
+
+
+def busy_ms(ops, lo, hi):
+    """Time within [lo, hi] when at least one of `ops` ran (the union of their intervals)."""
+    spans = sorted((max(lo, o["start"]), min(hi, o["start"] + o["ms"])) for o in ops)
+    total, cur_lo, cur_hi = 0.0, None, None
+    for a, b in spans:
+        if b <= a:
+            continue
+        if cur_hi is None or a > cur_hi:
+            if cur_hi is not None:
+                total += cur_hi - cur_lo
+            cur_lo, cur_hi = a, b
+        else:
+            cur_hi = max(cur_hi, b)
+    if cur_hi is not None:
+        total += cur_hi - cur_lo
+    return total
+
+
+def timeline_section(groups):
+    """Per configuration and mode: the median step's phases and how long hcomm's operations ran
+    in it (in total, and while the training thread was in forward/backward)."""
+    lines = ["| configuration | mode | step ms | forward | backward | waiting after backward | optimizer | hcomm ops | hcomm busy ms | of which during forward + backward |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for title, res in groups:
+        for r in res:
+            t = r.get("timeline")
+            if not t:
+                continue
+            ph = {n: b - a for n, a, b in t["phases"]}
+            fb = busy_ms(t["ops"], 0.0, t["phases"][1][2])
+            ops = t["ops"]
+            lines.append(f"| {title} | {r['mode']} | {t['ms']:,.0f} | {ph['forward']:,.0f} | {ph['backward']:,.0f} | {ph['wait']:,.0f} | "
+                         f"{ph['optimizer']:,.0f} | {len(ops) if ops else '- (not hcomm)' if r['mode'] in ('local',) or 'gloo' in r['mode'] else 0} | "
+                         f"{busy_ms(ops, 0.0, t['ms']):,.0f} | {fb:,.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+#: op name prefix -> colour in the timeline picture
+OP_COLORS = (("all_gather", "#59a14f"), ("reduce_scatter", "#f28e2b"), ("all_reduce", "#b07aa1"), ("broadcast", "#76b7b2"), ("barrier", "#bab0ac"))
+PHASE_COLORS = {"forward": "#a0cbe8", "backward": "#4e79a7", "wait": "#e15759", "optimizer": "#9c755f"}
+
+
+def svg_timeline(groups, path):
+    """One row pair per mode: the training thread's phases of rank 0's median step, and below
+    them hcomm's operations on rank 0 in that step (lanes where they overlap); one time scale
+    per configuration. Plain SVG."""
+    left, width, row, lane = 230, 760, 12, 7
+    out = ['<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           '<text x="10" y="20" font-size="14" font-weight="bold">Where each step goes: rank 0, the median timed step of each mode</text>']
+    x = 10
+    legend = [(n, c) for n, c in PHASE_COLORS.items()] + [(n, c) for n, c in OP_COLORS]
+    for n, c in legend:
+        out.append(f'<rect x="{x}" y="30" width="10" height="10" fill="{c}"/><text x="{x + 13}" y="39">{n.replace("wait", "waiting after backward")}</text>')
+        x += 13 + 7 * len(n) + (110 if n == "wait" else 14)
+    out.append('<text x="10" y="56" fill="#555">upper bar: the training thread (forward, backward, waiting for gradients after backward, optimizer); '
+               'lower bars: hcomm operations (thin line: time queued before their turn)</text>')
+    y = 72
+    for title, res in groups:
+        res = [r for r in res if r.get("timeline")]
+        if not res:
+            continue
+        top = max(r["timeline"]["ms"] for r in res)
+        k = (width - 20) / top
+        out.append(f'<text x="10" y="{y + 10}" font-weight="bold">{title}</text>')
+        out.append(f'<text x="{left + width - 20}" y="{y + 10}" text-anchor="end" fill="#555">{top:,.0f} ms</text>')
+        y += 16
+        for r in res:
+            t = r["timeline"]
+            out.append(f'<text x="{left - 6}" y="{y + row - 2}" text-anchor="end">{r["mode"]}</text>')
+            for n, a, b in t["phases"]:
+                if b > a:
+                    out.append(f'<rect x="{left + a * k:.1f}" y="{y}" width="{(b - a) * k:.1f}" height="{row - 1}" fill="{PHASE_COLORS[n]}">'
+                               f'<title>{n}: {b - a:,.1f} ms</title></rect>')
+            out.append(f'<text x="{left + t["ms"] * k + 4:.1f}" y="{y + row - 2}">{t["ms"]:,.0f} ms</text>')
+            y += row + 1
+            lanes = []
+            for o in sorted(t["ops"], key=lambda o: o["start"]):
+                s0 = max(0.0, o["start"] - o["queue_ms"])
+                i = next((i for i, e in enumerate(lanes) if e <= s0), None)
+                if i is None:
+                    lanes.append(0.0)
+                    i = len(lanes) - 1
+                lanes[i] = o["start"] + o["ms"]
+                c = next((c for p, c in OP_COLORS if o["op"].startswith(p)), "#999")
+                ly = y + i * (lane + 1)
+                if o["queue_ms"] > 0:
+                    out.append(f'<line x1="{left + s0 * k:.1f}" y1="{ly + lane / 2}" x2="{left + max(0.0, o["start"]) * k:.1f}" y2="{ly + lane / 2}" stroke="{c}"/>')
+                out.append(f'<rect x="{left + max(0.0, o["start"]) * k:.1f}" y="{ly}" width="{max(0.5, o["ms"] * k):.1f}" height="{lane}" fill="{c}">'
+                           f'<title>{o["op"]} {o["algo"]} {o["bytes"]:,} B, {o["ms"]:,.1f} ms, queued {o["queue_ms"]:,.1f} ms {o["label"]}</title></rect>')
+            y += max(1, len(lanes)) * (lane + 1) + 6
+        y += 10
+    out[0] = out[0].replace("{W}", str(left + width + 70)).replace("{H}", str(y + 10))
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out) + "\n")
 
 
 def render(meta, results, out):
@@ -533,7 +705,7 @@ mean over ranks; *vs naive*: its difference to the naive mode (exact modes agree
 rank; the task is 4 classes, so chance is 0.25) the model classifies right, with dropout off,
 mean over ranks.
 
-![step time per mode](training-report.svg)
+![step time per mode]({svg.name})
 """]
     for title, res in groups:
         rr = res[0]
@@ -585,6 +757,26 @@ naive's full first updates cause), so the mean loss over the timed steps, within
 {TOPK_MEAN_LOSS_TOLERANCE:g}, for runs of {TOPK_MIN_STEPS} timed steps or more. Every mode within its tolerance: **{yes(within)}**.
 
 {loss_section(groups)}
+""")
+    timelines = timeline_section(groups)
+    if timelines:
+        tl = out.with_name(out.stem + "-timeline.svg")
+        svg_timeline(groups, tl)
+        parts.append(f"""
+## Where each step goes (timeline)
+
+Rank 0's median timed step of every mode, from the run's own traces (`--timeline`: train_ddp's
+phase marks and `HCOMM_TRACE`, the same clock): the training thread's forward, backward,
+waiting for gradients after backward and optimizer step, and hcomm's operations during the
+step. *hcomm busy*: the time at least one hcomm operation ran; *during forward + backward*: the
+part of it that overlapped those phases (DDP's buckets and FSDP2's prefetched all-gathers
+overlap; FSDP2's blocking all-gathers and reduce-scatters stop the thread, so they show as
+part of forward and backward). gloo's operations are not hcomm's: its modes show the
+phases only.
+
+![timeline per mode]({tl.name})
+
+{timelines}
 """)
     slow = [r for r in results if r["config"] == "slow"]
     if slow:

@@ -104,7 +104,7 @@ def test_training_report_quick_on_loopback(tmp_path):
     out = tmp_path / "report.md"
     p = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "training-report.py"), "--quick", "--only", "lo2", "--no-netns",
-         "--python", sys.executable, "--out", str(out)],
+         "--python", sys.executable, "--out", str(out), "--timeline", str(tmp_path / "traces")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, cwd=ROOT,
     )
     assert p.returncode == 0, p.stdout
@@ -122,8 +122,19 @@ def test_training_report_quick_on_loopback(tmp_path):
     # the unchanged scripts against gloo: DDP and FSDP2, with the same parameters (2 ranks)
     assert "## Unchanged scripts: DDP and FSDP2 on hcomm against gloo" in text, text
     assert "| DDP |" in text and "| FSDP2 (fully_shard) |" in text and "| not slower | yes |" in text, text
+    # --timeline: each mode's median step from the run's traces, drawn and tabulated; hcomm's
+    # modes show hcomm's operations (FSDP2: all-gathers and reduce-scatters), gloo's none
+    assert "## Where each step goes (timeline)" in text and "![timeline per mode](report-timeline.svg)" in text, text
+    tl = (tmp_path / "report-timeline.svg").read_text()
+    assert tl.startswith("<svg") and "<title>all_gather" in tl and "<title>reduce_scatter" in tl and "<title>backward:" in tl, tl[:2000]
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| loopback, 2 ranks") and line.count("|") == 11}
+    assert "- (not hcomm)" in rows["ddp-gloo"] and "- (not hcomm)" not in rows["fsdp2-hcomm"], rows
+    results = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()[1:]]
+    fsdp = next(r for r in results if r["mode"] == "fsdp2-hcomm")["timeline"]
+    assert {o["op"] for o in fsdp["ops"]} >= {"all_gather", "reduce_scatter"}, fsdp
+    assert [p[0] for p in fsdp["phases"]] == ["forward", "backward", "wait", "optimizer"] and fsdp["ms"] > 0, fsdp
     # the report can be written again from the kept results, identically
-    again = tmp_path / "again.md"
+    again = tmp_path / "again" / "report.md"  # (same name: the pictures are referenced by name)
     p = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "training-report.py"), "--from-jsonl", str(out.with_suffix(".jsonl")), "--out", str(again)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, cwd=ROOT,
