@@ -4,7 +4,9 @@
 //! dense all-reduce's (the same communicator with `set_skip_zeros(false)`), for every float
 //! dtype and integers, sum and mean, in place and not, with the blocks zero on one rank, on
 //! both or on none, `-0.0`s facing a zero block, the short last block, few runs (reduced as
-//! they arrive) and many (one packed frame); and a sparse input must move fewer bytes.
+//! they arrive) and many (one packed frame); and a sparse input must move fewer bytes. The
+//! two-rank reduce-scatter across hosts (FSDP's gradients) likewise, with even and uneven
+//! segments.
 
 use hcomm::testing::{expect_all, random_input, run_threads_on_hosts_configured};
 use hcomm::{Algo, BootstrapConfig, Collective, Communicator, DType, ReduceOp};
@@ -175,6 +177,105 @@ fn the_hierarchical_cross_host_step_skips_zero_blocks_with_the_dense_bits() {
     assert_eq!(sweep(&["h0", "h0", "h1", "h1"], 1, true), 135);
 }
 
+/// The reduce-scatter of two ranks on two hosts: every case's bits against the dense
+/// reduce-scatter's, and its bytes. Returns the number of cases compared.
+fn sweep_reduce_scatter(nsocks: usize) -> usize {
+    let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32];
+    let results = expect_all(run_threads_on_hosts_configured(
+        &["h0", "h1"],
+        T,
+        |cfg| BootstrapConfig { nsocks, ..cfg },
+        |c| {
+            let mut cases = 0;
+            for (d, &dtype) in dtypes.iter().enumerate() {
+                let es = dtype.size();
+                // per-rank segments: the smallest that skips (64 KiB in all), odd and uneven
+                // (short last blocks), large
+                let min = 32 * BLOCK / es;
+                let shapes = [[min, min], [min + 333, min + 100], [150_001, 150_001]];
+                for (k, counts) in shapes.iter().enumerate() {
+                    let total = counts[0] + counts[1];
+                    for (q, &p) in PATTERNS.iter().enumerate() {
+                        for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                            if op == ReduceOp::Mean && !dtype.is_float() {
+                                continue;
+                            }
+                            let seed = (d * 100 + k * 10 + q) as u64;
+                            let x = input(dtype, c.rank(), total, p, seed);
+                            let in_place = (k + q) % 2 == 1;
+                            let me = c.rank();
+                            let mine = if me == 0 {
+                                0..counts[0] * es
+                            } else {
+                                counts[0] * es..total * es
+                            };
+                            let run = |c: &Communicator| -> hcomm::Result<(Vec<u8>, u64)> {
+                                let before = tcp_sent(c);
+                                let out = if in_place {
+                                    let mut buf = x.clone();
+                                    c.reduce_scatter_v_bytes(
+                                        None,
+                                        &mut buf,
+                                        &counts[..],
+                                        dtype,
+                                        op,
+                                    )?;
+                                    buf[mine.clone()].to_vec()
+                                } else {
+                                    let mut out = vec![0u8; counts[me] * es];
+                                    c.reduce_scatter_v_bytes(
+                                        Some(&x),
+                                        &mut out,
+                                        &counts[..],
+                                        dtype,
+                                        op,
+                                    )?;
+                                    out
+                                };
+                                Ok((out, tcp_sent(c) - before))
+                            };
+                            let (skipped, skip_bytes) = run(&c)?;
+                            c.set_skip_zeros(false);
+                            let (dense, dense_bytes) = run(&c)?;
+                            c.set_skip_zeros(true);
+                            assert!(
+                                skipped == dense,
+                                "rank {me}: {dtype} {op} counts {counts:?} {p:?} (in place: {in_place}): the skipping reduce-scatter's bits differ from the dense one's"
+                            );
+                            let slack = (total * es / BLOCK / 8 + 4096) as u64;
+                            match p {
+                                Pattern::Dense => assert!(
+                                    skip_bytes <= dense_bytes + slack,
+                                    "{dtype} {counts:?} dense: {skip_bytes} bytes against {dense_bytes}"
+                                ),
+                                // every third block of the whole input: a segment that does not
+                                // start on a block boundary has data in two blocks of three
+                                Pattern::Scattered => assert!(
+                                    skip_bytes < dense_bytes,
+                                    "rank {me}: {dtype} {counts:?} {p:?}: {skip_bytes} bytes against the dense {dense_bytes}"
+                                ),
+                                _ => assert!(
+                                    skip_bytes * 2 < dense_bytes,
+                                    "rank {me}: {dtype} {counts:?} {p:?}: {skip_bytes} bytes against the dense {dense_bytes}"
+                                ),
+                            }
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+            Ok(cases)
+        },
+    ));
+    results[0]
+}
+
+#[test]
+fn two_hosts_reduce_scatter_skipping_zero_blocks_with_the_dense_bits() {
+    assert_eq!(sweep_reduce_scatter(1), 135);
+    assert_eq!(sweep_reduce_scatter(3), 135);
+}
+
 #[test]
 fn ranks_of_one_host_and_three_hosts_stay_dense() {
     // One host (over TCP): the skipping path is for links between hosts. Three hosts: a sum
@@ -236,6 +337,17 @@ fn ranks_that_disagree_on_skipping_fail_with_a_mismatch() {
             c.all_reduce_in_place(&mut x, ReduceOp::Sum)
         },
     );
+    let rs = run_threads_on_hosts_configured(
+        &["h0", "h1"],
+        Duration::from_secs(10),
+        |cfg| cfg,
+        |c| {
+            c.set_skip_zeros(c.rank() == 1);
+            let mut x = vec![1f32; 1 << 16];
+            c.reduce_scatter_in_place(&mut x, ReduceOp::Sum)
+        },
+    );
+    let results: Vec<_> = results.into_iter().chain(rs).collect();
     // Each rank fails at once (not at the timeout), naming both schedules.
     for (r, res) in results.iter().enumerate() {
         let e = res

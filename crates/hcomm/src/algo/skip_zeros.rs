@@ -1,7 +1,8 @@
-//! The all-reduce of two ranks that moves only the blocks that are not all zero bits
-//! (`HCOMM_SKIP_ZEROS`, on by default between hosts: `Communicator::all_reduce_bytes` runs it
-//! for a flat two-rank all-reduce across hosts and for the cross-host step of the hierarchical
-//! all-reduce on two hosts).
+//! The all-reduce and the reduce-scatter of two ranks that move only the blocks that are not
+//! all zero bits (`HCOMM_SKIP_ZEROS`, on by default between hosts: `Communicator::all_reduce_bytes`
+//! runs [`all_reduce_pair`] for a flat two-rank all-reduce across hosts and for the cross-host
+//! step of the hierarchical all-reduce on two hosts; `reduce_scatter_v_bytes` runs
+//! [`reduce_scatter_pair`] for a two-rank reduce-scatter across hosts, FSDP's gradients).
 //!
 //! 1. Each rank scans its buffer in blocks of [`ZERO_BLOCK_BYTES`] and the two exchange the
 //!    bitmaps of their non-zero blocks (`⌈blocks / 8⌉` bytes: 3 KiB for 25 MiB of f32).
@@ -148,6 +149,126 @@ pub fn all_reduce_pair(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp
         }
     }
     Ok(mine.len() + my_len)
+}
+
+/// Reduce-scatter between the two ranks of `run` with `op` (`Sum`, or `Mean`, summed here and
+/// divided by the caller), skipping the blocks that are all zero bits: `send` is this rank's
+/// input for the other rank's segment, `out` this rank's segment, holding its own input for
+/// it on entry and the sum on return. Each rank sends the bitmap of `send`'s non-zero blocks,
+/// then those blocks (one frame per run up to [`DIRECT_RUNS`] runs, reduced in place as they
+/// arrive; one packed frame beyond), and adds `+0.0`s to its own non-zero float blocks the
+/// other did not send, so the result is bitwise the dense reduce-scatter's (`x_other + x_own`,
+/// one addition, in the ring's operand order). Returns the bytes this rank sent.
+pub fn reduce_scatter_pair(
+    run: &mut Run,
+    send: &[u8],
+    out: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<usize> {
+    assert_eq!(run.size, 2, "the zero-skipping exchange is for two ranks");
+    let op = match op {
+        ReduceOp::Mean => ReduceOp::Sum,
+        other => other,
+    };
+    debug_assert_eq!(op, ReduceOp::Sum, "zero is the identity of sums only");
+    let other = 1 - run.rank;
+    let block = block_bytes(dtype.size());
+    let (mine, _) = nonzero_map(send, block);
+    let mut theirs = vec![0u8; out.len().div_ceil(block).div_ceil(8)];
+    run.step(
+        0,
+        Some((other, &mine)),
+        Some((other, Sink::Buf(&mut theirs))),
+    )?;
+    // the ring's operand order for two ranks: what arrives first, then the own value
+    let order = Order::SrcFirst;
+    let own = dtype.is_float().then(|| nonzero_map(out, block).0);
+    let my_runs = runs(&mine, block, send.len());
+    let their_runs = runs(&theirs, block, out.len());
+    let my_len: usize = my_runs.iter().map(Range::len).sum();
+    if my_runs.len() <= DIRECT_RUNS {
+        // `send` is not written here: its runs go out as they are, no copy
+        let sends = my_runs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (other, 1 + i as u32, &send[r.clone()]))
+            .collect();
+        receive_runs(run, sends, out, &their_runs, dtype, order)?;
+    } else {
+        canonical::with_kept(&PACKED_OUT, my_len, |packed| -> Result<()> {
+            let mut at = 0;
+            for r in &my_runs {
+                packed[at..at + r.len()].copy_from_slice(&send[r.clone()]);
+                at += r.len();
+            }
+            receive_runs(
+                run,
+                vec![(other, 1, &packed[..])],
+                out,
+                &their_runs,
+                dtype,
+                order,
+            )
+        })?;
+    }
+    if let Some(own) = own {
+        // My non-zero blocks the other rank did not send: its zeros plus mine, as the dense sum.
+        let zeros = vec![0u8; block];
+        let len = out.len();
+        for b in (0..len.div_ceil(block)).filter(|&b| is_set(&own, b) && !is_set(&theirs, b)) {
+            let dst = &mut out[b * block..((b + 1) * block).min(len)];
+            let n = dst.len();
+            reduce_into(dtype, op, dst, &zeros[..n], order);
+        }
+    }
+    Ok(mine.len() + my_len)
+}
+
+/// Send `sends` to the other rank of `run` while receiving its runs `their_runs` of `out`
+/// (frames `1..`, or one packed frame beyond [`DIRECT_RUNS`] runs) and summing them into `out`.
+fn receive_runs(
+    run: &mut Run,
+    sends: Vec<(usize, u32, &[u8])>,
+    out: &mut [u8],
+    their_runs: &[Range<usize>],
+    dtype: DType,
+    order: Order,
+) -> Result<()> {
+    let other = 1 - run.rank;
+    let op = ReduceOp::Sum;
+    if their_runs.len() <= DIRECT_RUNS {
+        let recvs = disjoint_mut(out, their_runs)
+            .into_iter()
+            .enumerate()
+            .map(|(i, dst)| {
+                let sink = Sink::Reduce {
+                    dst,
+                    dtype,
+                    op,
+                    order,
+                };
+                (other, 1 + i as u32, sink)
+            })
+            .collect();
+        return run.exchange(sends, recvs);
+    }
+    let their_len: usize = their_runs.iter().map(Range::len).sum();
+    canonical::with_kept(&PACKED_IN, their_len, |arrived| -> Result<()> {
+        run.exchange(sends, vec![(other, 1, Sink::Buf(arrived))])?;
+        let mut at = 0;
+        for r in their_runs {
+            reduce_into(
+                dtype,
+                op,
+                &mut out[r.clone()],
+                &arrived[at..at + r.len()],
+                order,
+            );
+            at += r.len();
+        }
+        Ok(())
+    })
 }
 
 /// Mutable slices of `buf` at `ranges` (ascending, disjoint).

@@ -526,6 +526,7 @@ impl Communicator {
         let fp_count = if uniform { counts[0] } else { total };
         let segs = count_segments(counts, dtype.size());
         let nbytes = total * dtype.size();
+        let skip_zeros = self.skips_zeros_for(nbytes, op);
         self.collective(
             Collective::ReduceScatter,
             Some(dtype),
@@ -541,6 +542,38 @@ impl Communicator {
                     return g.reduce_scatter(send, recv, &blocks, dtype, op, fp, &w);
                 }
                 let my_seg = segs[me].clone();
+                if skip_zeros {
+                    // Two ranks on different hosts: bitwise what the dense schedules give.
+                    run.run.fp.algo = crate::wire::collective::SKIP_ZEROS_CODE;
+                    let out = match send {
+                        Some(s) => {
+                            recv.copy_from_slice(&s[my_seg]);
+                            skip_zeros::reduce_scatter_pair(
+                                run,
+                                &s[segs[1 - me].clone()],
+                                recv,
+                                dtype,
+                                op,
+                            )?;
+                            &mut *recv
+                        }
+                        None => {
+                            let (first, second) = recv.split_at_mut(segs[0].end);
+                            let (out, theirs) = if me == 0 {
+                                (first, &*second)
+                            } else {
+                                (second, &*first)
+                            };
+                            skip_zeros::reduce_scatter_pair(run, theirs, out, dtype, op)?;
+                            out
+                        }
+                    };
+                    if op == ReduceOp::Mean {
+                        finalize_mean(dtype, out, n);
+                    }
+                    run.ran = Some("skip-zeros");
+                    return Ok(());
+                }
                 if algo == Algo::Canonical {
                     match send {
                         Some(s) => canonical::reduce_scatter(run, s, recv, &segs, dtype, op)?,

@@ -540,7 +540,7 @@ impl Communicator {
     }
 
     /// Skipping zero blocks on or off (`HCOMM_SKIP_ZEROS`, on by default; sub-communicators
-    /// made later inherit it). On, a sum or mean all-reduce of at least
+    /// made later inherit it). On, a sum or mean all-reduce or reduce-scatter of at least
     /// [`skip_zeros::MIN_BYTES`](crate::algo::skip_zeros::MIN_BYTES) between two ranks on
     /// different hosts, or the cross-host step of the hierarchical all-reduce on two hosts,
     /// sends only the blocks that are not all zero bits ([`crate::algo::skip_zeros`]); the
@@ -556,7 +556,7 @@ impl Communicator {
         self.skip_zeros.load(Ordering::Relaxed)
     }
 
-    /// Whether an all-reduce of `bytes` with `op` skips zero blocks here: on, two ranks on
+    /// Whether an all-reduce (or reduce-scatter) of `bytes` with `op` skips zero blocks here: on, two ranks on
     /// different hosts, a sum or mean, at least [`skip_zeros::MIN_BYTES`](crate::algo::skip_zeros::MIN_BYTES).
     pub(crate) fn skips_zeros_for(&self, bytes: usize, op: ReduceOp) -> bool {
         self.skips_zeros()
