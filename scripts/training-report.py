@@ -42,10 +42,11 @@ TAG = "TRAIN_DDP_RESULT "
 PREFIX = "hctr"  # namespace names of this script's cluster (hctrh0, hctrh1, hctrsw)
 MASTER = "10.77.0.10"
 MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-sparse,"
-         "ddp-gloo,ddp-gloo-sparse,ddp-hcomm-dense,fsdp2-hcomm,fsdp2-gloo,ddp-hcomm:int8,fsdp2-hcomm:int8")
+         "ddp-gloo,ddp-gloo-sparse,ddp-hcomm-dense,fsdp2-hcomm,fsdp2-gloo,ddp-hcomm:int8,fsdp2-hcomm:int8,fsdp2-hcomm-prefetch,"
+         "fsdp2-gloo-prefetch,fsdp2-hcomm-prefetch:int8")
 #: the 100 Mbit/s run: every step moves ~93 MB at 12.5 MB/s, so fewer modes and steps
 SLOW_MODES = ("local,naive,overlap,skipzeros,sparse,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-dense,ddp-gloo,ddp-gloo-sparse,"
-              "ddp-hcomm:int8,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm:int8")
+              "ddp-hcomm:int8,ddp-hcomm:topk:1%,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm:int8,fsdp2-hcomm-prefetch:int8")
 
 #: Peer figures for the 6x512 encoder, 2 ranks on a 1 Gbit/s veth link (../shared/bench/BASELINE.md)
 #: and the issue's targets derived from them.
@@ -230,7 +231,7 @@ def svg_plot(groups, path):
         for r in res:
             if r["mode"] not in modes:
                 modes.append(r["mode"])
-    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#499894", "#79706e", "#8cd17d", "#b6992d", "#a0cbe8", "#ffbe7d"]
+    colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d37295", "#499894", "#79706e", "#8cd17d", "#b6992d", "#a0cbe8", "#ffbe7d", "#c9b2a6", "#fabfd2", "#d4a6c8"]
     bar_h, gap, left, width = 13, 18, 300, 560
     height = 60 + sum(len(res) * bar_h + gap + 16 for _, res in groups) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" height="{height}" font-family="sans-serif" font-size="11">',
@@ -444,7 +445,7 @@ def loss_check(res):
     for m, r in by.items():
         if m in ("naive", "local"):
             continue
-        if m.startswith("compressed:topk") or m.startswith("compressed:randk") or m.startswith("compressed:sign"):
+        if m.partition(":")[2].startswith(("topk", "randk", "sign")):
             w = len(naive["loss_curve"]) - naive["steps"]
             d = statistics.mean(r["loss_curve"][w:]) - statistics.mean(naive["loss_curve"][w:])
             if r["steps"] < TOPK_MIN_STEPS:

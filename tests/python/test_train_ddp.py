@@ -116,9 +116,9 @@ def test_training_report_quick_on_loopback(tmp_path):
     assert "| compressed:topk:1% | mean over 3 steps |" in text and "not stated (too few steps)" in text, text
     svg = out.with_suffix(".svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") >= 9
-    assert svg.count("<polyline") == 18  # a loss curve per mode
+    assert svg.count("<polyline") == 21  # a loss curve per mode
     lines = out.with_suffix(".jsonl").read_text().splitlines()
-    assert len(lines) == 19 and "meta" in json.loads(lines[0])  # the run's description, then 18 modes
+    assert len(lines) == 22 and "meta" in json.loads(lines[0])  # the run's description, then 21 modes
     # the unchanged scripts against gloo: DDP and FSDP2, with the same parameters (2 ranks)
     assert "## Unchanged scripts: DDP and FSDP2 on hcomm against gloo" in text, text
     assert "| DDP |" in text and "| FSDP2 (fully_shard) |" in text and "| not slower | yes |" in text, text
