@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--no-netns", action="store_true", help="only the loopback configurations")
     p.add_argument("--out", default=str(ROOT / "docs" / "training-report.md"), help="Markdown [docs/training-report.md]; the plot goes next to it (.svg)")
     p.add_argument("--python", default="", help="Python with hcomm installed [target/python-venv/bin/python if present, else this one]")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per configuration [600]")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per configuration [1800; the 6x512 run takes ~12 min]")
     p.add_argument("--train-args", default="", help="more examples/train_ddp.py arguments, e.g. \"--timeline /tmp/t\" [none]")
     p.add_argument("--from-jsonl", default="", help="write the report from a previous run's .jsonl instead of running")
     p.add_argument("--timeline", default="", metavar="DIR",
@@ -495,16 +495,22 @@ def run_all(a, argv):
         for name in a.names:
             netns = CONFIGS[name][3]
             t0 = time.time()
-            if netns:
-                rate = f"{round(RATE_GBIT[name] * 1000)}mbit"
-                if netns_up != rate:
-                    if netns_up:
-                        cluster("down", check=False)
-                    cluster("up", "2", "--rate", rate)
-                    netns_up = rate
-                res = run_netns(a, name)
-            else:
-                res = run_loopback(a, name)
+            try:
+                if netns:
+                    rate = f"{round(RATE_GBIT[name] * 1000)}mbit"
+                    if netns_up != rate:
+                        if netns_up:
+                            cluster("down", check=False)
+                        cluster("up", "2", "--rate", rate)
+                        netns_up = rate
+                    res = run_netns(a, name)
+                else:
+                    res = run_loopback(a, name)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                # the other configurations still run and are reported; this one is named
+                print(f"# {name}: FAILED: {str(e)[-3000:]}", file=sys.stderr, flush=True)
+                meta.setdefault("failed", []).append(name)
+                continue
             load = os.getloadavg()[0]
             print(f"# {name}: {len(res)} modes in {time.time() - t0:.0f} s (load average {load:.1f})", file=sys.stderr, flush=True)
             for r in res:
@@ -678,6 +684,8 @@ def render(meta, results, out):
     svg = out.with_suffix(".svg")
     svg_plot(groups, svg)
     skipped = f" Not run: {', '.join(meta['skipped'])} (no namespace cluster)." if meta.get("skipped") else ""
+    if meta.get("failed"):
+        skipped += f" FAILED (no results): {', '.join(meta['failed'])}."
     parts = [f"""# Training report
 
 Written by `{meta['command'].strip()}` (started {meta['started']}, {meta['seconds']:.0f} s; {meta['node']}, {meta['cpus']} CPUs,
@@ -808,7 +816,7 @@ def main(argv=None) -> int:
     print(render(meta, results, out))
     print(f"# wrote {out}, {out.with_suffix('.svg')} and {out.with_suffix('.jsonl')}", file=sys.stderr)
     bad = [r for r in results if r["mode"] != "local" and not r["replicas_identical"]]
-    return 1 if bad else 0
+    return 1 if bad or meta.get("failed") else 0
 
 
 if __name__ == "__main__":
