@@ -163,7 +163,7 @@ pub const SKIP_ZEROS: Knob = Knob {
     var: "HCOMM_SKIP_ZEROS",
     accepts: Accepts::Text,
     default: KnobDefault::Described("`1`"),
-    doc: "`1`: sum and mean all-reduces of two ranks on different hosts (and the cross-host step of the hierarchical all-reduce on two hosts) send only the 1 KiB blocks that are not all zero bits, with the dense result's bits; `0`: always dense",
+    doc: "`1`: sum and mean all-reduces of two ranks on different hosts (and the cross-host step of the hierarchical all-reduce on two hosts), and sum and mean reduce-scatters of two ranks on different hosts (FSDP's gradients), send only the 1 KiB blocks that are not all zero bits, with the dense result's bits; `0`: always dense",
 };
 
 /// `HCOMM_TRACE`.
