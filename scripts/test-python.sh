@@ -45,5 +45,5 @@ echo "== pytest"
 # The installed package is what is tested: python/hcomm (the sources) is not importable as
 # `hcomm` from the repository root. Each test has a deadline (pyproject.toml), the run too.
 # shellcheck disable=SC2086
-HCOMM_REQUIRE_TORCH=1 HCOMM_BIN="$CARGO_TARGET_DIR/release/hcomm" timeout 2400 \
+HCOMM_REQUIRE_TORCH=1 HCOMM_BIN="$CARGO_TARGET_DIR/release/hcomm" timeout 3600 \
     "$VENV/bin/python" -m pytest tests/python -q -ra --durations=8 -p no:cacheprovider ${PYTEST_ARGS:-}

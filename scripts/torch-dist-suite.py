@@ -9,7 +9,13 @@ itself (``BACKEND=hcomm``, hcomm added to the suite's feature sets of CPU backen
 "subgroup", "plugin"); the tests it gates on gloo by name then skip.
 
     python scripts/torch-dist-suite.py --world-size 2 [--backend hcomm|gloo] [--native] [-k EXPR] [--junit F]
+    python scripts/torch-dist-suite.py --world-size 3 --all --start fork --against-gloo   # both, compared
     python scripts/torch-dist-suite.py --compare HCOMM_JUNIT GLOO_JUNIT   # what differs
+
+The ranks of each test are spawned, as test_distributed_spawn.py does, unless ``--start fork``:
+then they are forked from the pytest process, which imported torch and the suite once (the
+whole suite in 1-2 minutes on this 2-vCPU VM instead of about 40; the same outcome for every
+test).
 
 Each test is bounded (``--per-test`` seconds, default 120) and the whole run too
 (``--total``, default 1800 s). On hcomm, the tests of ``CANNOT_PASS`` (torch's own limits,
@@ -119,34 +125,98 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("HCOMM_SUITE_START") == "fork":
+            # the ranks are forks of this process: the suite's module is imported once, not
+            # once per rank and test (about 4 s of CPU each on this VM)
+            import torch.multiprocessing
+
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 '''
 
 
-def outcomes(junit: str) -> "dict[str, str]":
-    """test name -> passed / failed / skipped, from a ``--junit`` file."""
+def outcomes(junit: str) -> "dict[str, tuple[str, str]]":
+    """test name -> (passed / failed / skipped, the skip's reason), from a ``--junit`` file."""
     import xml.etree.ElementTree as ET
 
     out = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        out[case.get("name")] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+        kinds = {child.tag: child for child in case}
+        if kinds.keys() & {"failure", "error"}:
+            out[case.get("name")] = ("failed", "")
+        elif "skipped" in kinds:
+            out[case.get("name")] = ("skipped", kinds["skipped"].get("message") or "")
+        else:
+            out[case.get("name")] = ("passed", "")
     return out
 
 
 def compare(hcomm_junit: str, gloo_junit: str) -> int:
-    """Print the counts of two runs (hcomm's, gloo's) and every test whose outcome differs;
-    0 when each test that passed on gloo passed on hcomm too."""
+    """Print the counts of two runs (hcomm's, gloo's), every test whose outcome differs, and
+    why the tests skipped on both skip; 0 when each test that passed on gloo passed on hcomm
+    too, apart from the tests of ``CANNOT_PASS`` that the hcomm run left out (each named with
+    its reason)."""
     h, g = outcomes(hcomm_junit), outcomes(gloo_junit)
     for name, run in (("hcomm", h), ("gloo", g)):
-        counts = {k: sum(1 for v in run.values() if v == k) for k in ("passed", "failed", "skipped")}
+        counts = {k: sum(1 for v, _ in run.values() if v == k) for k in ("passed", "failed", "skipped")}
         print(f"{name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped ({len(run)} run)")
-    worse = sorted(t for t, v in g.items() if v == "passed" and h.get(t) != "passed")
+    excused = {t: why for mode in CANNOT_PASS.values() for t, why in mode.items()}
+    worse, left_out = [], []
     for t in sorted(set(h) | set(g)):
-        if h.get(t) != g.get(t):
-            print(f"  {t}: hcomm {h.get(t, 'not run')}, gloo {g.get(t, 'not run')}")
-    print(f"passed on gloo, not on hcomm: {len(worse)}")
+        ho, go = h.get(t, ("not run", ""))[0], g.get(t, ("not run", ""))[0]
+        if ho == go:
+            continue
+        if go == "passed" and ho == "not run" and t in excused:
+            left_out.append(t)
+            print(f"  {t}: left out on hcomm (CANNOT_PASS: {excused[t]})")
+            continue
+        print(f"  {t}: hcomm {ho}, gloo {go}")
+        if go == "passed":
+            worse.append(t)
+    reasons: "dict[str, int]" = {}
+    for t, (outcome, why) in g.items():
+        if outcome == "skipped" and h.get(t, ("",))[0] == "skipped":
+            reasons[why] = reasons.get(why, 0) + 1
+    print(f"skipped on both ({sum(reasons.values())}), by the suite's reason:")
+    for why, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {count:4d}  {why}")
+    print(f"passed on gloo, not on hcomm: {len(worse)} (and {len(left_out)} left out: CANNOT_PASS)")
     return 1 if worse else 0
+
+
+def run(a: argparse.Namespace, backend: str, junit: "str | None") -> int:
+    """One run of the suite's selection on ``backend``; pytest's exit status."""
+    tmp = tempfile.mkdtemp(prefix="hcomm-dist-suite-")
+    mod = os.path.join(tmp, "test_dist_suite.py")
+    with open(mod, "w") as f:
+        f.write(test_module())
+    env = dict(os.environ)
+    env.update(
+        BACKEND="hcomm" if a.native else "gloo",
+        WORLD_SIZE=str(a.world_size),
+        TEMP_DIR=tmp,
+        HCOMM_SUITE_BACKEND="native" if a.native else backend,
+        OMP_NUM_THREADS="1",
+        HCOMM_SUITE_START=a.start,
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [sys.executable, "-m", "pytest", mod, "-q", "-rs", "-p", "no:cacheprovider", f"--timeout={a.per_test}"]
+    if not a.all:
+        cmd += ["-k", a.k or " or ".join(f"{t} and not {t}_" for t in ISSUE_18_LIST)]
+    if junit:
+        cmd += [f"--junitxml={junit}"]
+    if backend == "hcomm" and not a.keep_expected:
+        for name, why in CANNOT_PASS["native" if a.native else "stand-in"].items():
+            print(f"# deselected {name}: {why}", flush=True)
+            cmd += ["--deselect", f"{os.path.basename(mod)}::TestDistBackendWithSpawn::{name}"]  # rootdir: tmp
+    role = "as itself" if a.native else "for gloo" if backend == "hcomm" else "itself"
+    print(f"# {backend} ({role}), world size {a.world_size}, ranks {a.start}ed: {' '.join(cmd[3:5])} ...", flush=True)
+    try:
+        return subprocess.run(cmd, env=env, cwd=tmp, timeout=a.total).returncode
+    except subprocess.TimeoutExpired:
+        print(f"# the run exceeded {a.total} s", flush=True)
+        return 124
 
 
 def main() -> int:
@@ -160,48 +230,46 @@ def main() -> int:
         action="store_true",
         help="run as BACKEND=hcomm (hcomm in the suite's feature sets) instead of standing in for gloo",
     )
+    ap.add_argument(
+        "--against-gloo",
+        action="store_true",
+        help="run the selection on gloo, then with hcomm standing in for gloo, and compare the two "
+        "(exit status 0 when every test that passed on gloo passed on hcomm)",
+    )
     ap.add_argument("-k", default=None, help="pytest -k expression (default: the issue-18 list)")
-    ap.add_argument("--all", action="store_true", help="every test of _DistTestBase (long: about 30 min)")
+    ap.add_argument(
+        "--all", action="store_true", help="every test of _DistTestBase (spawned: about 40 min; forked: 1-2 min)"
+    )
+    ap.add_argument(
+        "--start",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="how the ranks of each test start: spawned, as test_distributed_spawn.py does "
+        "(default), or forked from the pytest process (no re-import of torch per rank and test)",
+    )
     ap.add_argument("--per-test", type=int, default=120)
-    ap.add_argument("--total", type=int, default=1800)
-    ap.add_argument("--junit", default=None)
+    ap.add_argument("--total", type=int, default=1800, help="seconds for each run of the suite")
+    ap.add_argument("--junit", default=None, help="junit XML of the run (with --against-gloo: hcomm's)")
     ap.add_argument("--keep-expected", action="store_true", help="also run the tests listed in CANNOT_PASS")
     a = ap.parse_args()
+    if a.native and (a.backend != "hcomm" or a.against_gloo):
+        ap.error("--native runs hcomm as itself; it goes with neither --backend gloo nor --against-gloo")
     try:
         import expecttest  # noqa: F401  (torch's test utilities import it)
     except ImportError:
         subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "expecttest"])
-    tmp = tempfile.mkdtemp(prefix="hcomm-dist-suite-")
-    mod = os.path.join(tmp, "test_dist_suite.py")
-    with open(mod, "w") as f:
-        f.write(test_module())
-    env = dict(os.environ)
-    env.update(
-        BACKEND="hcomm" if a.native else "gloo",
-        WORLD_SIZE=str(a.world_size),
-        TEMP_DIR=tmp,
-        HCOMM_SUITE_BACKEND="native" if a.native else a.backend,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    cmd = [sys.executable, "-m", "pytest", mod, "-q", "-rs", "-p", "no:cacheprovider", f"--timeout={a.per_test}"]
-    if not a.all:
-        cmd += ["-k", a.k or " or ".join(f"{t} and not {t}_" for t in ISSUE_18_LIST)]
-    if a.junit:
-        cmd += [f"--junitxml={a.junit}"]
-    if a.backend == "hcomm" and not a.keep_expected:
-        for name, why in CANNOT_PASS["native" if a.native else "stand-in"].items():
-            print(f"# deselected {name}: {why}", flush=True)
-            cmd += ["--deselect", f"{os.path.basename(mod)}::TestDistBackendWithSpawn::{name}"]  # rootdir: tmp
-    if a.native and a.backend != "hcomm":
-        ap.error("--native runs hcomm as itself; it does not go with --backend gloo")
-    role = "as itself" if a.native else "for gloo"
-    print(f"# {a.backend} ({role}), world size {a.world_size}: {' '.join(cmd[3:5])} ...", flush=True)
-    try:
-        return subprocess.run(cmd, env=env, cwd=tmp, timeout=a.total).returncode
-    except subprocess.TimeoutExpired:
-        print(f"# the run exceeded {a.total} s", flush=True)
-        return 124
+    if not a.against_gloo:
+        return run(a, a.backend, a.junit)
+    out = tempfile.mkdtemp(prefix="hcomm-dist-suite-junit-")
+    gloo_junit = os.path.join(out, "gloo.xml")
+    hcomm_junit = a.junit or os.path.join(out, "hcomm.xml")
+    gloo_status = run(a, "gloo", gloo_junit)
+    hcomm_status = run(a, "hcomm", hcomm_junit)
+    if not (os.path.exists(gloo_junit) and os.path.exists(hcomm_junit)):
+        print("# a run wrote no junit file: nothing to compare", flush=True)
+        return hcomm_status or gloo_status or 1
+    print(f"# gloo's run exited {gloo_status}, hcomm's {hcomm_status}", flush=True)
+    return compare(hcomm_junit, gloo_junit) or hcomm_status
 
 
 if __name__ == "__main__":
