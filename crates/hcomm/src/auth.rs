@@ -542,22 +542,40 @@ pub fn accept<S: HandshakeIo>(
     check: impl FnOnce(&Hello) -> Result<(), HandshakeError>,
     deadline: Instant,
 ) -> Result<Hello, HandshakeError> {
+    let resolve = |h: &Hello| {
+        check(h)?;
+        Ok((me, token.cloned(), ()))
+    };
+    accept_for(s, me.role, resolve, deadline).map(|(hello, ())| hello)
+}
+
+/// [`accept`] for a listener that answers for several communicators (a communicator and its
+/// sub-communicators share one): `resolve` reads the peer's hello and says who answers it (our
+/// side, with the token to prove, and whatever the caller wants back with the hello), or
+/// refuses it, before anything is sent back.
+pub fn accept_for<S: HandshakeIo, T>(
+    s: &mut S,
+    role: Role,
+    resolve: impl FnOnce(&Hello) -> Result<(Local, Option<JobToken>, T), HandshakeError>,
+    deadline: Instant,
+) -> Result<(Hello, T), HandshakeError> {
     let total = deadline.saturating_duration_since(Instant::now());
     let mut theirs = [0u8; HELLO_LEN];
     read_exact_by(s, &mut theirs, deadline, total)?;
     let hello = Hello::decode(&theirs)?;
-    if hello.role != me.role.peer() {
+    if hello.role != role.peer() {
         return Err(HandshakeError::WrongPeer(format!(
             "a {:?} connected, expected a {:?}",
             hello.role,
-            me.role.peer()
+            role.peer()
         )));
     }
-    check(&hello)?;
+    let (me, token, found) = resolve(&hello)?;
+    let token = token.as_ref();
     let mine = me.hello(token.is_some())?;
     write_all_by(s, &mine, deadline, total)?;
     let token = match (token, hello.auth) {
-        (None, false) => return Ok(hello),
+        (None, false) => return Ok((hello, found)),
         // The peer learns from our hello what is wrong, and closes.
         (None, true) => return Err(HandshakeError::PeerUnauthenticated),
         (Some(_), false) => return Err(HandshakeError::TokenRequired),
@@ -584,7 +602,7 @@ pub fn accept<S: HandshakeIo>(
             .into_bytes(),
     );
     write_all_by(s, &fin, deadline, total)?;
-    Ok(hello)
+    Ok((hello, found))
 }
 
 /// What became of the connections one listener accepted.

@@ -267,6 +267,87 @@ fn split_and_new_group_work_like_the_world() {
 }
 
 #[test]
+fn sub_communicators_share_the_parents_listener() {
+    // Over TCP, so that every byte of the sub-communicators goes through links accepted on the
+    // parent's listener (connections name their communicator in the handshake).
+    TRANSPORT.with(|t| t.set(TransportKind::Tcp));
+    // Rank 0 holds the rendezvous store: the ranks (threads here) leave together at the end
+    // (or after 30 s, when one has failed).
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let leave = || {
+        done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let t = std::time::Instant::now();
+        while done.load(std::sync::atomic::Ordering::SeqCst) < 4 && t.elapsed() < T {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    all_ok(run_threads(4, T, |c| {
+        let r = c.rank();
+        let pair = c.split(Some((r % 2) as u32), r as i64)?.unwrap();
+        let trio = c.new_group(&[0, 1, 2]).ok();
+        let nested = pair.split(Some(0), -(r as i64))?.unwrap();
+        // No new port: every sub-communicator accepts on the parent's address.
+        assert_eq!(pair.listen_addr(), c.listen_addr());
+        assert_eq!(nested.listen_addr(), c.listen_addr());
+        if let Some(g) = &trio {
+            assert_eq!(g.listen_addr(), c.listen_addr());
+        }
+        // Parent and sub-communicators busy at once, from their own threads, with messages
+        // large enough to need the rendezvous and several frames in flight per link.
+        let big = 300_000usize;
+        std::thread::scope(|s| -> hcomm::Result<()> {
+            let world = s.spawn(|| -> hcomm::Result<()> {
+                for i in 0..4 {
+                    let mut v = vec![(r + i) as f32; big];
+                    c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                    assert!(v.iter().all(|&x| x == (6 + 4 * i) as f32));
+                }
+                Ok(())
+            });
+            let sub = s.spawn(|| -> hcomm::Result<()> {
+                for i in 0..4 {
+                    let mut v = vec![(r * 10 + i) as f64; big];
+                    pair.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                    let want = if r % 2 == 0 { 20 + 2 * i } else { 40 + 2 * i };
+                    assert!(v.iter().all(|&x| x == want as f64));
+                    let peer = 1 - pair.rank();
+                    let mut got = vec![0u32; big];
+                    let mine = vec![r as u32; big];
+                    pair.send_recv(peer, &mine, peer, &mut got, i as u32)?;
+                    assert!(got.iter().all(|&x| x as usize == r ^ 2));
+                }
+                Ok(())
+            });
+            if let Some(g) = &trio {
+                let mut all = vec![0u64; 3 * big / 10];
+                g.all_gather(&vec![r as u64; big / 10], &mut all)?;
+                for (k, chunk) in all.chunks(big / 10).enumerate() {
+                    assert!(chunk.iter().all(|&x| x == k as u64));
+                }
+            }
+            world.join().unwrap()?;
+            sub.join().unwrap()
+        })?;
+        // The listener outlives the communicator that made it while others use it.
+        drop(trio);
+        let world_addr = c.listen_addr();
+        drop(c);
+        let mut v = vec![r as i64; 1000];
+        nested.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        let want: i64 = if r % 2 == 0 { 2 } else { 4 };
+        assert!(v.iter().all(|&x| x == want));
+        // A communicator made after the parent is gone still answers on the same port.
+        let again = pair.split(Some(0), 0)?.unwrap();
+        assert_eq!(again.listen_addr(), world_addr);
+        let mut b = [if again.rank() == 0 { 7u8 } else { 0 }];
+        again.broadcast(&mut b, 0)?;
+        assert_eq!(b[0], 7);
+        leave();
+        Ok(())
+    }));
+}
+
+#[test]
 fn bad_arguments_are_named_and_leave_the_communicator_usable() {
     over_both_transports(|| {
         all_ok(run_threads(2, T, |c| {

@@ -19,10 +19,9 @@ use crate::config::{BootstrapConfig, TransportKind, Tuning};
 use crate::engine::Engine;
 use crate::history::History;
 use crate::trace::Tracer;
-use crate::transport::tcp::TcpLinks;
+use crate::transport::tcp::{SharedListener, TcpLinks};
 use crate::wait::WaitPolicy;
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -100,6 +99,7 @@ impl Communicator {
             store_addr,
             server,
             ip,
+            listener: None,
             host_id,
             timeout: cfg.timeout,
             local_size_hint: cfg.local_world_size,
@@ -130,6 +130,7 @@ impl Communicator {
             store_addr,
             server,
             ip,
+            listener,
             host_id,
             timeout,
             local_size_hint,
@@ -145,13 +146,12 @@ impl Communicator {
                 BootstrapConfig::MAX_NSOCKS
             )));
         }
-        let listener = TcpLinks::listen(ip)
-            .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?;
-        let addr: SocketAddr = listener
-            .local_addr()
-            .ok()
-            .and_then(|a| a.as_socket())
-            .ok_or_else(|| Error::Config("listener has no address".into()))?;
+        let listener = match listener {
+            Some(shared) => shared,
+            None => SharedListener::bind(ip)
+                .map_err(|e| Error::Config(format!("cannot listen on {ip}: {e}")))?,
+        };
+        let addr = listener.addr();
         let me = PeerInfo {
             addr,
             host_id: host_id.clone(),
@@ -326,6 +326,9 @@ pub(super) struct BuildArgs {
     pub(super) store_addr: String,
     pub(super) server: Option<Arc<StoreServer>>,
     pub(super) ip: std::net::IpAddr,
+    /// The listener to accept this communicator's links on: its parent's (a sub-communicator
+    /// shares it), or `None` to bind a new one on `ip`.
+    pub(super) listener: Option<SharedListener>,
     pub(super) host_id: String,
     pub(super) timeout: Duration,
     pub(super) local_size_hint: Option<usize>,

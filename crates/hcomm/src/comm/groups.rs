@@ -126,9 +126,11 @@ impl Communicator {
         let timeout = self.timeout();
         let store = StoreClient::connect(&self.store_addr, timeout, self.token.as_ref())
             .map_err(|e| store_connect_error("", e))?;
-        let ip = {
+        // The sub-communicator accepts its links on this one's listener: no new port, no new
+        // accept thread (connections name their communicator in the handshake).
+        let (ip, listener) = {
             let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            inner.links.listen_ip()
+            (inner.links.listen_ip(), inner.links.shared_listener())
         };
         // The parent's knobs, with the algorithms it forces now.
         let tuning = self.inherited_tuning();
@@ -140,6 +142,7 @@ impl Communicator {
             store_addr: self.store_addr.clone(),
             server: self._server.clone(),
             ip,
+            listener: Some(listener),
             host_id: self.host_id.clone(),
             timeout,
             local_size_hint: None,

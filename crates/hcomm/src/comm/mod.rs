@@ -320,13 +320,15 @@ impl Communicator {
         self.nsocks
     }
 
-    /// The address this rank accepts data links of this communicator on.
+    /// The address this rank accepts data links of this communicator on (its parent's, for a
+    /// sub-communicator: one listener serves them all).
     pub fn listen_addr(&self) -> SocketAddr {
         self.listen_addr
     }
 
-    /// What became of the connections to this rank's data-link listener (of this
-    /// communicator) so far: how many were authenticated, and how many turned away and why.
+    /// What became of the connections to this rank's data-link listener so far: how many were
+    /// authenticated, and how many turned away and why. The listener is shared by a
+    /// communicator and its sub-communicators, so are these counts.
     pub fn connection_stats(&self) -> ConnectionStats {
         self.link_counters.snapshot()
     }

@@ -175,6 +175,7 @@ impl Communicator {
                 store_addr,
                 server,
                 ip: self.listen_ip,
+                listener: None,
                 host_id: self.host_id.clone(),
                 timeout,
                 local_size_hint: None,

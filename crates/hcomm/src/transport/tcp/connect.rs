@@ -3,6 +3,7 @@
 //! of a striped link (see the module doc of [`super`] for the protocol).
 
 use super::*;
+use std::collections::HashMap;
 
 /// Who this side of a communicator's links is, for the handshakes.
 #[derive(Clone)]
@@ -25,9 +26,94 @@ impl Identity {
     }
 }
 
-/// The accepting side of a communicator's links: a thread that accepts connections and
-/// authenticates each on a thread of its own, handing the good ones (with the rank they proved
-/// to be) to the progress loop through a channel, and waking it through a socket pair.
+/// A listening socket and its accept thread, shared by a communicator and the
+/// sub-communicators made from it (`split`, `new_group`): each connection names its
+/// communicator (by hash) in the handshake and is authenticated for, and handed to, that
+/// communicator's links; a sub-communicator therefore opens no port and starts no thread of its
+/// own. The thread stops, and the socket closes, once the last links using it are gone.
+#[derive(Clone)]
+pub struct SharedListener(Arc<ListenerHandle>);
+
+struct ListenerHandle {
+    addr: SocketAddr,
+    hub: Arc<Hub>,
+}
+
+impl Drop for ListenerHandle {
+    fn drop(&mut self) {
+        // The accept thread sees this within 100 ms and closes the listener.
+        self.hub.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What the accept thread, its authenticating threads and the links share.
+struct Hub {
+    /// The communicators answering on this listener, by hash.
+    registry: std::sync::Mutex<HashMap<u64, Registration>>,
+    stop: AtomicBool,
+    /// What became of the connections this listener accepted (for every communicator on it).
+    counters: Arc<Counters>,
+    /// Where the accept thread stands (see [`Acceptor::settled_since`]).
+    progress: AcceptProgress,
+}
+
+/// One communicator on a [`SharedListener`]: who it is, and where its connections go.
+#[derive(Clone)]
+struct Registration {
+    me: Identity,
+    /// Authenticated connections: (peer rank, what it is for, socket).
+    tx: mpsc::Sender<(usize, Purpose, Socket)>,
+    /// Wakes the links' progress loop (written after each hand-over).
+    waker: Arc<UnixStream>,
+    revocation: Arc<Revocation>,
+}
+
+/// How long a connection naming a communicator this listener does not (yet) answer for waits
+/// for it to register: a peer may dial a communicator the moment it has every rank's address,
+/// a little before this rank's links exist.
+const REGISTRATION_WAIT: Duration = Duration::from_millis(500);
+
+impl SharedListener {
+    /// Listen on `ip` (port chosen by the kernel) and start the accept thread.
+    pub fn bind(ip: std::net::IpAddr) -> io::Result<SharedListener> {
+        let listener = TcpLinks::listen(ip)?;
+        let addr = listener
+            .local_addr()?
+            .as_socket()
+            .ok_or_else(|| io::Error::other("listener has no IP address"))?;
+        let hub = Arc::new(Hub {
+            registry: Default::default(),
+            stop: AtomicBool::new(false),
+            counters: Arc::new(Counters::default()),
+            progress: AcceptProgress::default(),
+        });
+        let h = hub.clone();
+        std::thread::Builder::new()
+            .name("hcomm-accept".into())
+            .spawn(move || accept_loop(listener, h))?;
+        Ok(SharedListener(Arc::new(ListenerHandle { addr, hub })))
+    }
+
+    /// The address peers connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.0.addr
+    }
+
+    /// How many communicators answer on this listener now.
+    pub fn communicators(&self) -> usize {
+        self.0
+            .hub
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+}
+
+/// The accepting side of a communicator's links: its registration on a [`SharedListener`],
+/// whose accept thread authenticates every connection on a thread of its own and hands the good
+/// ones (with the rank they proved to be) to the progress loop through a channel, waking it
+/// through a socket pair.
 pub(super) struct Acceptor {
     pub(super) addr: SocketAddr,
     /// Authenticated connections: (peer rank, what it is for, socket).
@@ -36,10 +122,9 @@ pub(super) struct Acceptor {
     pub(super) wake: UnixStream,
     /// The other end of `wake` (the accept thread writes to it as well).
     pub(super) waker: Arc<UnixStream>,
-    pub(super) stop: Arc<AtomicBool>,
     pub(super) counters: Arc<Counters>,
-    /// Where the accept thread stands (see [`Acceptor::settled_since`]).
-    pub(super) progress: Arc<AcceptProgress>,
+    pub(super) listener: SharedListener,
+    comm_hash: u64,
 }
 
 /// How far the accept thread has got: connections accepted but still being authenticated,
@@ -51,55 +136,50 @@ pub(super) struct AcceptProgress {
 }
 
 impl Acceptor {
+    /// Answer for the communicator `me` on `listener` (refused if one of the same hash does
+    /// already).
     pub(super) fn start(
-        listener: Socket,
+        listener: SharedListener,
         me: Identity,
         revocation: Arc<Revocation>,
     ) -> io::Result<Acceptor> {
-        let addr = listener
-            .local_addr()?
-            .as_socket()
-            .ok_or_else(|| io::Error::other("listener has no IP address"))?;
         let (wake, waker) = UnixStream::pair()?;
         wake.set_nonblocking(true)?;
         waker.set_nonblocking(true)?;
         let (tx, accepted) = mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let counters = Arc::new(Counters::default());
-        let progress = Arc::new(AcceptProgress::default());
-        let (st, c, p) = (stop.clone(), counters.clone(), progress.clone());
         let waker = Arc::new(waker);
-        let w = waker.clone();
-        std::thread::Builder::new()
-            .name("hcomm-accept".into())
-            .spawn(move || {
-                accept_loop(
-                    listener,
-                    AcceptThread {
-                        me,
-                        tx,
-                        waker: w,
-                        stop: st,
-                        counters: c,
-                        revocation,
-                        progress: p,
-                    },
-                )
-            })?;
+        let comm_hash = me.comm_hash;
+        {
+            let hub = &listener.0.hub;
+            let mut registry = hub.registry.lock().unwrap_or_else(|p| p.into_inner());
+            if registry.contains_key(&comm_hash) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("a communicator of hash {comm_hash:#x} is on this listener already"),
+                ));
+            }
+            let registration = Registration {
+                me,
+                tx,
+                waker: waker.clone(),
+                revocation,
+            };
+            registry.insert(comm_hash, registration);
+        }
         Ok(Acceptor {
-            addr,
+            addr: listener.addr(),
             accepted,
             wake,
             waker,
-            stop,
-            counters,
-            progress,
+            counters: listener.0.hub.counters.clone(),
+            listener,
+            comm_hash,
         })
     }
 
     /// A mark to pass to [`Acceptor::settled_since`], taken after the event it is about.
     pub(super) fn mark(&self) -> u64 {
-        self.progress.sweeps.load(Ordering::SeqCst)
+        self.listener.0.hub.progress.sweeps.load(Ordering::SeqCst)
     }
 
     /// Whether every connection that reached the listener before `mark` was taken has been
@@ -107,8 +187,9 @@ impl Acceptor {
     /// the backlog empty twice since (so once after the mark), and nothing accepted is still
     /// being authenticated.
     pub(super) fn settled_since(&self, mark: u64) -> bool {
-        self.progress.sweeps.load(Ordering::SeqCst) >= mark + 2
-            && self.progress.authenticating.load(Ordering::SeqCst) == 0
+        let progress = &self.listener.0.hub.progress;
+        progress.sweeps.load(Ordering::SeqCst) >= mark + 2
+            && progress.authenticating.load(Ordering::SeqCst) == 0
     }
 
     /// Empty the wake-up socket (the channel is drained by the caller).
@@ -120,34 +201,19 @@ impl Acceptor {
 
 impl Drop for Acceptor {
     fn drop(&mut self) {
-        // The accept thread sees this within 100 ms and closes the listener.
-        self.stop.store(true, Ordering::SeqCst);
+        // Connections naming this communicator are refused from now on; the listener itself
+        // closes with its last user.
+        let hub = &self.listener.0.hub;
+        hub.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.comm_hash);
     }
 }
 
-/// What the accept thread works with (its side of the [`Acceptor`]).
-pub(super) struct AcceptThread {
-    me: Identity,
-    tx: mpsc::Sender<(usize, Purpose, Socket)>,
-    waker: Arc<UnixStream>,
-    stop: Arc<AtomicBool>,
-    counters: Arc<Counters>,
-    revocation: Arc<Revocation>,
-    progress: Arc<AcceptProgress>,
-}
-
-pub(super) fn accept_loop(listener: Socket, t: AcceptThread) {
-    let AcceptThread {
-        me,
-        tx,
-        waker,
-        stop,
-        counters,
-        revocation,
-        progress,
-    } = t;
-    let pending = progress.authenticating.clone();
-    while !stop.load(Ordering::SeqCst) {
+fn accept_loop(listener: Socket, hub: Arc<Hub>) {
+    let pending = hub.progress.authenticating.clone();
+    while !hub.stop.load(Ordering::SeqCst) {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(100u16)) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
@@ -160,7 +226,7 @@ pub(super) fn accept_loop(listener: Socket, t: AcceptThread) {
             let (sock, from) = match listener.accept() {
                 Ok(c) => c,
                 Err(e) if would_block(&e) => {
-                    progress.sweeps.fetch_add(1, Ordering::SeqCst);
+                    hub.progress.sweeps.fetch_add(1, Ordering::SeqCst);
                     break;
                 }
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
@@ -173,37 +239,30 @@ pub(super) fn accept_loop(listener: Socket, t: AcceptThread) {
             };
             let from = from.as_socket();
             let Some(slot) = PendingSlot::take(&pending) else {
-                counters.overloaded();
+                hub.counters.overloaded();
                 tracing::warn!(
                     ?from,
                     "too many unauthenticated data connections; dropping one"
                 );
                 continue;
             };
-            let (me, tx, waker, counters, revocation) = (
-                me.clone(),
-                tx.clone(),
-                waker.clone(),
-                counters.clone(),
-                revocation.clone(),
-            );
+            let hub = hub.clone();
             let spawned = std::thread::Builder::new()
                 .name("hcomm-link-auth".into())
                 .spawn(move || {
                     // The slot is given back only once the outcome is delivered, so that
                     // `settled_since` never sees a good connection in neither place.
-                    let r = authenticate(sock, &me, &counters);
-                    match r {
-                        Ok((peer, Purpose::Revoke(by), _)) => {
+                    match authenticate(sock, &hub) {
+                        Ok((reg, peer, Purpose::Revoke(by), _)) => {
                             // Handled here, whatever this rank is doing: every wait gives up
                             // (the progress loop is woken to see it).
                             tracing::warn!(peer, "this communicator was revoked by rank {by} (notice from rank {peer})");
-                            revocation.revoke(by);
-                            let _ = (&*waker).write(&[1]);
+                            reg.revocation.revoke(by);
+                            let _ = (&*reg.waker).write(&[1]);
                         }
-                        Ok((peer, purpose, sock)) => {
-                            if tx.send((peer, purpose, sock)).is_ok() {
-                                let _ = (&*waker).write(&[1]);
+                        Ok((reg, peer, purpose, sock)) => {
+                            if reg.tx.send((peer, purpose, sock)).is_ok() {
+                                let _ = (&*reg.waker).write(&[1]);
                             }
                         }
                         Err(e) => tracing::warn!(?from, "rejected a data connection: {e}"),
@@ -235,44 +294,62 @@ pub(super) const ANNOUNCE_RECOVERY: [u8; 2] = [1, 0];
 /// The announce bytes of a revocation notice.
 pub(super) const ANNOUNCE_REVOKE: [u8; 2] = [2, 0];
 
-/// The accepting side's handshake on a new connection: the peer must be another rank of this
-/// communicator (and prove the token, if there is one), then say which of the link's sockets
-/// this is, or what else the connection is for ([`announce`], [`Purpose`]). Returns its rank,
-/// the purpose and the socket, ready for the progress loop. The outcome is counted before the socket can close, so a rejected peer sees the
+/// The accepting side's handshake on a new connection: the peer must be another rank of a
+/// communicator registered on the listener (and prove its token, if there is one), then say
+/// which of the link's sockets this is, or what else the connection is for ([`announce`],
+/// [`Purpose`]). Returns that communicator's registration, the peer's rank, the purpose and the
+/// socket, ready for the progress loop. The outcome is counted before the socket can close, so a rejected peer sees the
 /// close only after it was counted.
-pub(super) fn authenticate(
+fn authenticate(
     sock: Socket,
-    me: &Identity,
-    counters: &Counters,
-) -> Result<(usize, Purpose, Socket), HandshakeError> {
+    hub: &Hub,
+) -> Result<(Registration, usize, Purpose, Socket), HandshakeError> {
+    let counters = &hub.counters;
     let io = |e: io::Error| HandshakeError::Io(e.to_string());
     let _ = sock.set_nodelay(true);
     let mut stream = TcpStream::from(sock);
     let deadline = Instant::now() + PRE_AUTH_DEADLINE;
-    let check = |h: &auth::Hello| {
-        if h.comm_hash != me.comm_hash {
-            return Err(HandshakeError::WrongPeer(format!(
-                "a rank of communicator {:#x}, not of this one ({:#x})",
-                h.comm_hash, me.comm_hash
-            )));
-        }
+    let resolve = |h: &auth::Hello| {
+        let wait_until = deadline.min(Instant::now() + REGISTRATION_WAIT);
+        let reg = loop {
+            let found = hub
+                .registry
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&h.comm_hash)
+                .cloned();
+            match found {
+                Some(reg) => break reg,
+                None if Instant::now() < wait_until && !hub.stop.load(Ordering::SeqCst) => {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                None => {
+                    let here: Vec<String> = (hub.registry.lock())
+                        .unwrap_or_else(|p| p.into_inner())
+                        .keys()
+                        .map(|k| format!("{k:#x}"))
+                        .collect();
+                    return Err(HandshakeError::WrongPeer(format!(
+                        "a rank of communicator {:#x}, not of one on this listener ({})",
+                        h.comm_hash,
+                        here.join(", ")
+                    )));
+                }
+            }
+        };
+        let me = &reg.me;
         if h.rank as usize >= me.size || h.rank as usize == me.rank {
             return Err(HandshakeError::WrongPeer(format!(
                 "claims rank {} of this {}-rank communicator, as rank {}",
                 h.rank, me.size, me.rank
             )));
         }
-        Ok(())
+        Ok((me.local(Role::LinkAcceptor), me.token.clone(), reg.clone()))
     };
     let r = (|| {
         stream.set_nonblocking(false).map_err(io)?;
-        let hello = auth::accept(
-            &mut stream,
-            me.token.as_ref(),
-            me.local(Role::LinkAcceptor),
-            check,
-            deadline,
-        )?;
+        let (hello, reg) = auth::accept_for(&mut stream, Role::LinkAcceptor, resolve, deadline)?;
+        let me = reg.me.clone();
         // Authenticated: which socket of the link is this?
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -290,7 +367,7 @@ pub(super) fn authenticate(
             _ => io(e),
         })?;
         match a {
-            ANNOUNCE_RECOVERY => return Ok((hello.rank as usize, Purpose::Recovery)),
+            ANNOUNCE_RECOVERY => return Ok((reg, hello.rank as usize, Purpose::Recovery)),
             ANNOUNCE_REVOKE => {
                 // Who revoked: four bytes (within the same deadline).
                 let mut b = [0u8; 4];
@@ -306,7 +383,7 @@ pub(super) fn authenticate(
                 } else {
                     hello.rank as usize
                 };
-                return Ok((hello.rank as usize, Purpose::Revoke(by)));
+                return Ok((reg, hello.rank as usize, Purpose::Revoke(by)));
             }
             _ => {}
         }
@@ -321,11 +398,11 @@ pub(super) fn authenticate(
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
         stream.set_nonblocking(true).map_err(io)?;
-        Ok((hello.rank as usize, Purpose::Link(stripe)))
+        Ok((reg, hello.rank as usize, Purpose::Link(stripe)))
     })();
     counters.record(&r);
-    let (peer, purpose) = r?;
-    Ok((peer, purpose, Socket::from(stream)))
+    let (reg, peer, purpose) = r?;
+    Ok((reg, peer, purpose, Socket::from(stream)))
 }
 
 /// The two bytes a dialer sends right after the handshake: which socket of the link this is

@@ -68,6 +68,7 @@ use std::time::{Duration, Instant};
 
 mod connect;
 mod inbound;
+pub use connect::SharedListener;
 mod progress;
 pub mod recovery;
 
@@ -234,10 +235,12 @@ impl TcpLinks {
     /// Links for `rank` given every rank's listening address (index = rank), accepting
     /// connections on `listener` from this communicator's ranks only (named by `comm_hash`)
     /// and, with a `token`, only from those who prove they know it. Each link has `nsocks`
-    /// sockets (1 to 255; every rank must use the same number).
+    /// sockets (1 to 255; every rank must use the same number). The listener may serve other
+    /// communicators too (a parent and its sub-communicators share one): `comm_hash` must
+    /// differ from theirs.
     pub fn new(
         rank: usize,
-        listener: Socket,
+        listener: SharedListener,
         peers: Vec<SocketAddr>,
         comm_hash: u64,
         token: Option<JobToken>,
@@ -420,7 +423,13 @@ impl TcpLinks {
         self.acceptor.addr
     }
 
-    /// What became of the connections accepted so far (authenticated, or turned away and why).
+    /// The listener these links accept on, to share with a sub-communicator's links.
+    pub fn shared_listener(&self) -> SharedListener {
+        self.acceptor.listener.clone()
+    }
+
+    /// What became of the connections the listener accepted so far (authenticated, or turned
+    /// away and why), for every communicator on it.
     pub fn connection_stats(&self) -> ConnectionStats {
         self.acceptor.counters.snapshot()
     }
