@@ -58,6 +58,19 @@ pub const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(3);
 pub const MAX_PENDING: usize = 64;
 
 const MAGIC: [u8; 4] = *b"HCA1";
+/// The magic of a [`departed_notice`], sent instead of a hello.
+const DEPARTED_MAGIC: [u8; 4] = *b"HCA0";
+
+/// What a listener sends, instead of its hello, to a dialer naming a communicator that existed
+/// on it and was destroyed there (the process is still up for its other communicators): the
+/// dialer fails at once with [`HandshakeError::Departed`] rather than retrying a refusal it
+/// cannot tell from an overloaded listener. It says nothing but that.
+pub fn departed_notice() -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..4].copy_from_slice(&DEPARTED_MAGIC);
+    b[4] = VERSION;
+    b
+}
 const VERSION: u8 = 1;
 const DOMAIN: &[u8] = b"hcomm-auth-v1\0";
 const LABEL_CONNECTING: &[u8] = b"connecting\0";
@@ -273,6 +286,9 @@ impl Hello {
         let Ok(b) = <&[u8; HELLO_LEN]>::try_from(b) else {
             return bad(format!("a hello is {HELLO_LEN} bytes, got {}", b.len()));
         };
+        if b[0..4] == DEPARTED_MAGIC {
+            return Err(HandshakeError::Departed);
+        }
         if b[0..4] != MAGIC {
             return bad("not an hcomm handshake (bad magic)".into());
         }
@@ -355,6 +371,10 @@ pub enum HandshakeError {
     /// The peer's proof is wrong: the tokens differ.
     #[error("the peer's proof does not match this process's job token (the ranks' tokens differ)")]
     BadProof,
+    /// The peer's process is up but the communicator asked for is gone from it (destroyed
+    /// there): see [`departed_notice`].
+    #[error("the peer has destroyed this communicator (its process is still up)")]
+    Departed,
 }
 
 impl HandshakeError {
@@ -656,7 +676,7 @@ impl Counters {
             Err(HandshakeError::Closed | HandshakeError::Io(_)) => &self.closed,
             Err(HandshakeError::TimedOut(_)) => &self.timed_out,
             Err(HandshakeError::Malformed(_)) => &self.malformed,
-            Err(HandshakeError::WrongPeer(_)) => &self.wrong_peer,
+            Err(HandshakeError::WrongPeer(_) | HandshakeError::Departed) => &self.wrong_peer,
             Err(
                 HandshakeError::TokenRequired
                 | HandshakeError::PeerUnauthenticated

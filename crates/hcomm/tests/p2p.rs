@@ -348,6 +348,38 @@ fn sub_communicators_share_the_parents_listener() {
 }
 
 #[test]
+fn a_rank_that_destroyed_a_sub_communicator_is_named_at_once() {
+    // Its process is up (the listener it shares with the world answers), but the communicator
+    // is gone there: the peer's dial gets told so instead of retrying until its timeout.
+    TRANSPORT.with(|t| t.set(TransportKind::Tcp));
+    all_ok(run_threads(2, T, |c| {
+        let r = c.rank();
+        let a = c.split(Some(0), 0)?.unwrap();
+        let b = c.split(Some(0), 0)?.unwrap();
+        // a: rank 1 destroys it, rank 0 (the lower rank, which opens links) needs a link.
+        // b: rank 0 destroys it, rank 1 (which asks rank 0 for the link) needs one.
+        let (mine, theirs) = if r == 1 { (b, a) } else { (a, b) };
+        drop(theirs);
+        c.barrier()?;
+        let e = mine
+            .all_reduce_in_place(&mut [1f32; 16], ReduceOp::Sum)
+            .unwrap_err();
+        match &e {
+            Error::PeerClosed { peer, detail, .. } => {
+                assert_eq!(*peer, 1 - r, "{e}");
+                assert!(detail.contains("destroyed this communicator"), "{e}");
+            }
+            other => panic!("rank {r}: expected PeerClosed, got {other}"),
+        }
+        // The world is unharmed.
+        let mut v = [r as i32];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v[0], 1);
+        Ok(())
+    }));
+}
+
+#[test]
 fn bad_arguments_are_named_and_leave_the_communicator_usable() {
     over_both_transports(|| {
         all_ok(run_threads(2, T, |c| {

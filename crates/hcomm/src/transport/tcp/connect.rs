@@ -50,6 +50,9 @@ impl Drop for ListenerHandle {
 struct Hub {
     /// The communicators answering on this listener, by hash.
     registry: std::sync::Mutex<HashMap<u64, Registration>>,
+    /// The last [`DEPARTED_KEPT`] communicators that answered here and were destroyed: dialers
+    /// naming one get [`auth::departed_notice`].
+    departed: std::sync::Mutex<VecDeque<u64>>,
     stop: AtomicBool,
     /// What became of the connections this listener accepted (for every communicator on it).
     counters: Arc<Counters>,
@@ -73,6 +76,9 @@ struct Registration {
 /// a little before this rank's links exist.
 const REGISTRATION_WAIT: Duration = Duration::from_millis(500);
 
+/// How many destroyed communicators a listener remembers (8 bytes each).
+const DEPARTED_KEPT: usize = 1024;
+
 impl SharedListener {
     /// Listen on `ip` (port chosen by the kernel) and start the accept thread.
     pub fn bind(ip: std::net::IpAddr) -> io::Result<SharedListener> {
@@ -83,6 +89,7 @@ impl SharedListener {
             .ok_or_else(|| io::Error::other("listener has no IP address"))?;
         let hub = Arc::new(Hub {
             registry: Default::default(),
+            departed: Default::default(),
             stop: AtomicBool::new(false),
             counters: Arc::new(Counters::default()),
             progress: AcceptProgress::default(),
@@ -204,10 +211,15 @@ impl Drop for Acceptor {
         // Connections naming this communicator are refused from now on; the listener itself
         // closes with its last user.
         let hub = &self.listener.0.hub;
+        let mut departed = hub.departed.lock().unwrap_or_else(|p| p.into_inner());
         hub.registry
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.comm_hash);
+        if departed.len() == DEPARTED_KEPT {
+            departed.pop_front();
+        }
+        departed.push_back(self.comm_hash);
     }
 }
 
@@ -318,8 +330,14 @@ fn authenticate(
                 .unwrap_or_else(|p| p.into_inner())
                 .get(&h.comm_hash)
                 .cloned();
+            let gone = || {
+                (hub.departed.lock())
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&h.comm_hash)
+            };
             match found {
                 Some(reg) => break reg,
+                None if gone() => return Err(HandshakeError::Departed),
                 None if Instant::now() < wait_until && !hub.stop.load(Ordering::SeqCst) => {
                     std::thread::sleep(Duration::from_millis(2))
                 }
@@ -348,7 +366,15 @@ fn authenticate(
     };
     let r = (|| {
         stream.set_nonblocking(false).map_err(io)?;
-        let (hello, reg) = auth::accept_for(&mut stream, Role::LinkAcceptor, resolve, deadline)?;
+        let (hello, reg) =
+            match auth::accept_for(&mut stream, Role::LinkAcceptor, resolve, deadline) {
+                Err(HandshakeError::Departed) => {
+                    // Tell the dialer, which would otherwise retry until its deadline.
+                    let _ = stream.write_all(&auth::departed_notice());
+                    return Err(HandshakeError::Departed);
+                }
+                r => r?,
+            };
         let me = reg.me.clone();
         // Authenticated: which socket of the link is this?
         let left = deadline.saturating_duration_since(Instant::now());
@@ -531,6 +557,17 @@ impl TcpLinks {
         let mut backoff = Duration::from_millis(5);
         loop {
             match self.dial_once(ctx, peer, stripe, deadline) {
+                Err(DialError::Handshake(HandshakeError::Departed)) => {
+                    return Err(Error::PeerClosed {
+                        ctx: ctx.clone(),
+                        peer,
+                        detail: format!(
+                            "rank {peer} has destroyed this communicator (its listener at {} \
+                             is still up for others)",
+                            self.peers[peer]
+                        ),
+                    })
+                }
                 Err(DialError::Handshake(e)) if e.is_transient() && Instant::now() < deadline => {
                     tracing::debug!(peer, "handshake failed ({e}); trying again");
                     std::thread::sleep(
