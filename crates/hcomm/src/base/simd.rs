@@ -64,6 +64,62 @@ pub(crate) fn f32_to_f16(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// `dst.copy_from_slice(src)`, with non-temporal (streaming) stores for the bulk: the written
+/// lines go to memory without first being read into the cache, and without evicting what the
+/// cache holds. For large outputs that nobody reads soon (an all-reduce's result once the
+/// outputs of all ranks outgrow the caches): ../shared/limits measured 0.57-0.77× the time of
+/// the copy-out design at 64 and 256 MiB with them, and 1.3-2× the time at 1 MiB and below,
+/// where the output would have stayed in the cache. SSE2, part of the baseline x86-64: no
+/// detection needed.
+pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let body = (dst.len() - head) / 64 * 64;
+        let (d_head, d_rest) = dst.split_at_mut(head);
+        let (s_head, s_rest) = src.split_at(head);
+        d_head.copy_from_slice(s_head);
+        let (d_body, d_tail) = d_rest.split_at_mut(body);
+        let (s_body, s_tail) = s_rest.split_at(body);
+        stream::copy_lines(d_body, s_body);
+        d_tail.copy_from_slice(s_tail);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod stream {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+
+    /// Copy whole 64-byte lines to a 16-byte aligned `dst` with streaming stores, then fence
+    /// them (so that they are ordered before this rank's next release store, as plain stores
+    /// would be). Panics unless both lengths are the same multiple of 64 and `dst` (if not
+    /// empty) is aligned.
+    pub(super) fn copy_lines(dst: &mut [u8], src: &[u8]) {
+        assert!(
+            dst.len() == src.len()
+                && dst.len().is_multiple_of(64)
+                && (dst.is_empty() || (dst.as_ptr() as usize).is_multiple_of(16)),
+            "copy_lines: unaligned or partial lines"
+        );
+        let (d, s) = (
+            dst.as_mut_ptr() as *mut __m128i,
+            src.as_ptr() as *const __m128i,
+        );
+        for i in 0..dst.len() / 16 {
+            // SAFETY: i < len/16, so the 16 bytes read at `src + 16 i` (unaligned load) and
+            // written at `dst + 16 i` lie inside the slices, which do not overlap (one is
+            // borrowed mutably); `dst + 16 i` is 16-byte aligned (checked above), as the
+            // streaming store requires. SSE2 is part of the x86-64 baseline.
+            unsafe { _mm_stream_si128(d.add(i), _mm_loadu_si128(s.add(i))) };
+        }
+        // SAFETY: a fence has no precondition (SSE, part of the baseline).
+        unsafe { _mm_sfence() };
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod f16c {
     use std::arch::x86_64::{
@@ -106,6 +162,23 @@ mod f16c {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn streaming_copy_copies_every_byte_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for offset in 0..17 {
+            for len in [0, 1, 15, 16, 63, 64, 65, 127, 128, 200, 983 - offset] {
+                let mut dst = vec![0u8; 1000];
+                copy_streaming(&mut dst[offset..offset + len], &src[..len]);
+                assert_eq!(&dst[offset..offset + len], &src[..len], "{offset} {len}");
+                assert!(dst[..offset].iter().all(|&b| b == 0), "{offset} {len}");
+                assert!(
+                    dst[offset + len..].iter().all(|&b| b == 0),
+                    "{offset} {len}"
+                );
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

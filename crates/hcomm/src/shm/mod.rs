@@ -29,7 +29,7 @@ pub use all_to_all_v::MAX_RANKS as ALL_TO_ALL_V_MAX_RANKS;
 use crate::base::deadline::Deadline;
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
-use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, Order};
+use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, reduce_pair, Order};
 use crate::base::segments::even_segments;
 use crate::wait::{LearnedSpin, WaitPolicy};
 pub use crate::wire::collective::ShmFingerprint;
@@ -55,22 +55,47 @@ const CPU_SLOTS: usize = (HEADER - CPU_AT) / 4;
 const LINE: usize = 128;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
+/// The pipelined all-reduce copies its result out with streaming (non-temporal) stores once
+/// the outputs of all ranks together reach this many bytes: they no longer fit the caches, and
+/// a plain store would first read each line it writes. Measured on this 2-vCPU VM
+/// (2026-12-06, 2 ranks, default chunk, busbw in GB/s, plain → streaming, two runs each):
+/// 256 KiB 6.1-6.2 → 4.7-5.2 (slower: that output would have stayed in the cache), 1 MiB
+/// 3.8-4.3 → 4.5-5.4 (but 4.7 → 3.7 in another pair of runs), 4 MiB 3.7-4.1 → 4.8-5.0,
+/// 16 MiB 3.4-3.6 → 4.5-4.8, 64 MiB 2.7-2.8 → 2.6-4.1 (the noisiest size here). The turn is
+/// set past the doubtful 1 MiB, where `../shared/limits` also found streaming 1.3-2× slower.
+pub const STREAM_OUTPUTS_FROM: usize = 16 << 20;
 /// Default bytes of the vector handled per pipeline step (`HCOMM_SHM_CHUNK` overrides).
 pub use crate::config::knobs::DEFAULT_SHM_CHUNK as DEFAULT_CHUNK;
 
-// Offsets inside a rank's control line.
+// Offsets inside a rank's control line: two cache lines of 64 B. The first holds everything a
+// peer reads on the fast path of a one-shot collective (the counter, the fingerprint's summary
+// and up to `INLINE` bytes of data), so that one line moves per peer and call; a second line
+// of data cost ~0.1 µs per call here (../shared/limits: 8-16 B in 0.18 µs, 32 B in 0.31).
 const CTR: usize = 0;
 const WAITERS: usize = 4;
 const PID: usize = 8;
 /// Inode of the rank's pid namespace (pids are only comparable within one).
 const PIDNS: usize = 12;
-/// Two fingerprint slots (by parity of the collective's number): {seq, word, detail} each.
-const FP_SLOTS: usize = 16;
+/// Two summaries of the fingerprint (by parity of the collective's number), a `u64` each:
+/// `fold_hash([seq, word, detail])` (see `fingerprint_summary`).
+const FP_SUMMARY: usize = 16;
+/// Up to this many bytes travel inside the first line itself (two parities of 16 bytes at
+/// offset 32), so a peer gets counter, fingerprint and data in one cache-line transfer.
+const INLINE: usize = 16;
+const INLINE_AT: usize = 32;
+/// In the second line: the two full fingerprint slots {seq, word, detail}, read only to
+/// describe a mismatch the summaries showed.
+const FP_SLOTS: usize = 64;
 const FP_SLOT_LEN: usize = 24;
-/// Up to this many bytes travel inside the control line itself (two parities of 32 bytes at
-/// offset 64), so a peer gets counter and data in one cache-line transfer.
-const INLINE: usize = 32;
-const INLINE_AT: usize = 64;
+// The fast path's fields share the first 64-byte line, without overlapping; the full slots
+// fit the second.
+const _: () = assert!(
+    WAITERS < PID
+        && PIDNS + 4 <= FP_SUMMARY
+        && FP_SUMMARY + 16 <= INLINE_AT
+        && INLINE_AT + 2 * INLINE <= 64
+        && FP_SLOTS + 2 * FP_SLOT_LEN <= LINE
+);
 
 /// Layout of a segment for `size` ranks and `chunk`-byte steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +138,14 @@ impl Layout {
 }
 
 pub use crate::config::SHM_CHUNK_RANGE as CHUNK_RANGE;
+
+/// What a peer compares of a call's fingerprint: `fold_hash([seq, word, detail])`. Each step
+/// of the fold is a bijection of the running hash, so two fingerprints that differ in one of
+/// the three words always differ here; a mismatch goes unseen only if two or more words
+/// differ and the 64-bit hashes still collide.
+fn fingerprint_summary(fp: ShmFingerprint) -> u64 {
+    crate::base::ids::fold_hash([fp.seq, fp.word, fp.detail])
+}
 
 fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
@@ -269,6 +302,13 @@ impl ShmGroup {
     fn get(&mut self, off: usize, dst: &mut [u8]) {
         self.read += dst.len() as u64;
         self.seg.get(off, dst)
+    }
+
+    /// [`get`](Self::get) with streaming stores (`simd::copy_streaming`): for outputs that
+    /// outgrow the caches.
+    fn get_streaming(&mut self, off: usize, dst: &mut [u8]) {
+        self.read += dst.len() as u64;
+        crate::base::simd::copy_streaming(dst, self.seg.view(off, dst.len()))
     }
 
     /// Remove the segment's name (after every local rank attached).
@@ -479,62 +519,78 @@ impl ShmGroup {
 
     /// Publish this call's fingerprint (before its first arrival) in slot `k % 2`, `k` being
     /// the number of collectives this group ran: a peer is never more than one collective
-    /// ahead, so it never rewrites the slot a rank is checking.
-    fn publish(&mut self, fp: ShmFingerprint) -> usize {
-        let slot =
-            self.layout.ctrl(self.rank) + FP_SLOTS + (self.collectives % 2) as usize * FP_SLOT_LEN;
+    /// ahead, so it never rewrites the slot a rank is checking. Returns the slot's parity and
+    /// the summary a peer compares.
+    fn publish(&mut self, fp: ShmFingerprint) -> (usize, u64) {
+        let par = (self.collectives % 2) as usize;
         self.collectives += 1;
+        let line = self.layout.ctrl(self.rank);
+        let slot = line + FP_SLOTS + par * FP_SLOT_LEN;
+        self.seg.atomic_u64(slot).store(fp.seq, Ordering::Relaxed);
         self.seg
             .atomic_u64(slot + 8)
             .store(fp.word, Ordering::Relaxed);
         self.seg
             .atomic_u64(slot + 16)
             .store(fp.detail, Ordering::Relaxed);
-        self.seg.atomic_u64(slot).store(fp.seq, Ordering::Release);
-        slot - self.layout.ctrl(self.rank)
+        let summary = fingerprint_summary(fp);
+        // Published, with the full slot, by the Release store of this rank's next arrival.
+        self.seg
+            .atomic_u64(line + FP_SUMMARY + 8 * par)
+            .store(summary, Ordering::Relaxed);
+        (par, summary)
     }
 
     /// After the first barrier of a call: every peer published this very call (same sequence
-    /// number, else the ranks are out of step) with the same fingerprint.
-    fn verify(&self, fp: ShmFingerprint, slot: usize, w: &WaitCtx) -> Result<()> {
+    /// number, else the ranks are out of step) with the same fingerprint. The summaries share
+    /// the counter's cache line, which the wait brought here; the full slots are read only
+    /// when a summary differs, to say how.
+    fn verify(&self, fp: ShmFingerprint, (par, summary): (usize, u64), w: &WaitCtx) -> Result<()> {
         for p in 0..self.size() {
             if p == self.rank {
                 continue;
             }
-            let at = self.layout.ctrl(p) + slot;
+            let line = self.layout.ctrl(p);
+            // Acquire: the arrival awaited published it (and the full slot) already.
+            if self
+                .seg
+                .atomic_u64(line + FP_SUMMARY + 8 * par)
+                .load(Ordering::Acquire)
+                == summary
+            {
+                continue;
+            }
+            let at = line + FP_SLOTS + par * FP_SLOT_LEN;
             let seq = self.seg.atomic_u64(at).load(Ordering::Acquire);
             let word = self.seg.atomic_u64(at + 8).load(Ordering::Relaxed);
-            let detail = self.seg.atomic_u64(at + 16).load(Ordering::Relaxed);
-            if seq != fp.seq || word != fp.word || detail != fp.detail {
-                let theirs = if seq != fp.seq {
-                    format!("its collective number {seq}")
-                } else {
-                    crate::wire::collective::describe_shm_word(word)
-                };
-                let extra = if seq == fp.seq && word == fp.word {
-                    " (per-rank counts or algorithm differ)"
-                } else {
-                    ""
-                };
-                return Err(Error::Mismatch {
-                    ctx: w.ctx.clone(),
-                    peer: p,
-                    msg: format!(
-                        "rank {p} called {theirs} while this rank called {} at seq {}{extra}",
-                        crate::wire::collective::describe_shm_word(fp.word),
-                        fp.seq
-                    ),
-                });
-            }
+            let theirs = if seq != fp.seq {
+                format!("its collective number {seq}")
+            } else {
+                crate::wire::collective::describe_shm_word(word)
+            };
+            let extra = if seq == fp.seq && word == fp.word {
+                " (per-rank counts or algorithm differ)"
+            } else {
+                ""
+            };
+            return Err(Error::Mismatch {
+                ctx: w.ctx.clone(),
+                peer: p,
+                msg: format!(
+                    "rank {p} called {theirs} while this rank called {} at seq {}{extra}",
+                    crate::wire::collective::describe_shm_word(fp.word),
+                    fp.seq
+                ),
+            });
         }
         Ok(())
     }
 
     /// The first barrier of a call, with the fingerprint check.
     fn first_barrier(&mut self, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
-        let slot = self.publish(fp);
+        let published = self.publish(fp);
         self.arrive_and_wait_all(w)?;
-        self.verify(fp, slot, w)
+        self.verify(fp, published, w)
     }
 
     /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
@@ -562,12 +618,14 @@ impl ShmGroup {
             fold_in_order(dtype, op, acc, &parts);
             return;
         }
-        for p in 0..n {
-            if p == 0 {
-                acc.copy_from_slice(contribution(0));
-            } else {
-                reduce_into(dtype, op, acc, contribution(p), Order::AccFirst);
-            }
+        if n == 1 {
+            acc.copy_from_slice(contribution(0));
+            return;
+        }
+        // The first two in one pass (the copy of the first and the first step, fused).
+        reduce_pair(dtype, op, acc, contribution(0), contribution(1));
+        for p in 2..n {
+            reduce_into(dtype, op, acc, contribution(p), Order::AccFirst);
         }
     }
 
@@ -641,6 +699,8 @@ impl ShmGroup {
             let par = ((base + c as u64) % 2) as usize;
             (o, l, par, even_segments(l / es, n, es))
         };
+        // The outputs of all ranks outgrow the caches: write ours with streaming stores.
+        let stream_out = n * len >= STREAM_OUTPUTS_FROM;
         let mut first = true;
         for j in 0..chunks + 2 {
             if j < chunks {
@@ -684,19 +744,40 @@ impl ShmGroup {
                 Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
                 self.read += ((n - 1) * mine.len()) as u64;
                 self.written += mine.len() as u64;
+                if writes_out {
+                    // Our own slice of the result is in the cache now: copy it out at once
+                    // (the copy-out below takes only the peers' slices). The input's slice
+                    // there was consumed by the reduction just above.
+                    let to = &mut out[o + mine.start..o + mine.end];
+                    let from = self.seg.view(r_off, mine.len());
+                    if stream_out {
+                        crate::base::simd::copy_streaming(to, from);
+                    } else {
+                        to.copy_from_slice(from);
+                    }
+                    self.read += mine.len() as u64;
+                }
             }
             if j >= 2 && writes_out {
-                // Every slice of chunk j-2 is reduced: copy them out.
+                // Every slice of chunk j-2 is reduced: copy the peers' out.
                 let (o, _, par, segs) = at(j - 2);
-                for s in &segs {
+                for (p, s) in segs.iter().enumerate() {
+                    if p == me {
+                        continue; // copied right after its reduction
+                    }
                     // Protocol: reduced in step j-1, published by that step's barrier; the
                     // owners rewrite result[par] only in step j+1, after our arrival at step j
                     // (or, after the last step, in a later collective, after our arrival
                     // there).
-                    self.get(
+                    let (from, to) = (
                         self.layout.result(par) + s.start,
                         &mut out[o + s.start..o + s.end],
                     );
+                    if stream_out {
+                        self.get_streaming(from, to);
+                    } else {
+                        self.get(from, to);
+                    }
                 }
             }
             if j <= chunks {
