@@ -44,19 +44,20 @@ pub(crate) struct Turns {
     changed: Condvar,
 }
 
-/// The current turn, held until dropped.
-pub(crate) struct TurnGuard {
-    turns: Arc<Turns>,
+/// The current turn, held until dropped. It borrows its dispenser (every turn is scoped to
+/// a call, or to one job on the engine thread): no reference count to touch per operation.
+pub(crate) struct TurnGuard<'a> {
+    turns: &'a Turns,
     ticket: u64,
 }
 
 impl Turns {
-    fn key(self: &Arc<Self>) -> usize {
-        Arc::as_ptr(self) as usize
+    fn key(&self) -> usize {
+        self as *const Turns as usize
     }
 
     /// True if the calling thread holds the current turn.
-    fn held_here(self: &Arc<Self>) -> bool {
+    fn held_here(&self) -> bool {
         let key = self.key();
         HELD.with(|h| h.borrow().contains(&key))
     }
@@ -66,7 +67,7 @@ impl Turns {
     }
 
     /// Wait until turn `ticket` comes, then hold it on this thread.
-    fn wait_for(self: &Arc<Self>, ticket: u64) -> TurnGuard {
+    fn wait_for(&self, ticket: u64) -> TurnGuard<'_> {
         if self.serving.load(Ordering::Acquire) != ticket {
             let mut g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
             // Dekker with the finishing turn (store, fence, read the count): either this check
@@ -82,14 +83,14 @@ impl Turns {
         let key = self.key();
         HELD.with(|h| h.borrow_mut().push(key));
         TurnGuard {
-            turns: self.clone(),
+            turns: self,
             ticket,
         }
     }
 
     /// Take a turn for an operation on the calling thread: `None` when this thread already
     /// holds the current turn (the operation is part of a larger one).
-    pub(crate) fn enter(self: &Arc<Self>) -> Option<TurnGuard> {
+    pub(crate) fn enter(&self) -> Option<TurnGuard<'_>> {
         if self.held_here() {
             return None;
         }
@@ -98,7 +99,7 @@ impl Turns {
     }
 }
 
-impl Drop for TurnGuard {
+impl Drop for TurnGuard<'_> {
     fn drop(&mut self) {
         let key = self.turns.key();
         HELD.with(|h| {

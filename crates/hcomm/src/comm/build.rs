@@ -10,6 +10,7 @@ use super::join::{compute_hierarchical_layout, join_store, mark_built, wait_unti
 use super::shm_setup::{setup_p2p_shm, setup_shm};
 use super::{Communicator, Inner};
 use crate::algo::select::Thresholds;
+use crate::algo::Algo;
 use crate::auth::JobToken;
 use crate::base::error::{Error, Result};
 use crate::bootstrap::store::{StoreClient, StoreServer};
@@ -277,7 +278,13 @@ impl Communicator {
                 links,
                 seq: 0,
                 poisoned: None,
-                algo: tuning.algo.clone(),
+                algo: {
+                    let mut forced = [Algo::Auto; 16];
+                    for (&c, &a) in &tuning.algo {
+                        forced[c as usize] = a;
+                    }
+                    forced
+                },
                 logged: [0; 16],
                 splits: 0,
                 grows: 0,

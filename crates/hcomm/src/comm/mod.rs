@@ -119,7 +119,9 @@ pub(crate) struct Inner {
     links: TcpLinks,
     seq: u64,
     poisoned: Option<String>,
-    algo: HashMap<Collective, Algo>,
+    /// The algorithm forced per collective (indexed by its code; `Auto` where none is): an
+    /// array, not a map, since every collective call reads it.
+    algo: [Algo; 16],
     /// Which (collective, algorithm) choices were logged at info level already (bit per algorithm).
     logged: [u16; 16],
     splits: u64,
@@ -257,7 +259,7 @@ pub struct Communicator {
 /// turn passes to the next operation (fields drop in order: state first, then the turn).
 pub(crate) struct OpGuard<'a> {
     inner: MutexGuard<'a, Inner>,
-    _turn: Option<TurnGuard>,
+    _turn: Option<TurnGuard<'a>>,
     /// The operation's name and the transport counters when it started (`None` when it was
     /// refused before starting): the bytes it moved are counted when the guard drops.
     traffic: Option<(&'static str, Counters)>,
@@ -603,11 +605,7 @@ impl Communicator {
         // In issue order, like an operation: it applies to the operations issued after it,
         // never to asynchronous ones issued before it and still queued.
         let _turn = self.engine.turns.enter();
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .algo
-            .insert(coll, algo);
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).algo[coll as usize] = algo;
         Ok(())
     }
 
@@ -799,12 +797,12 @@ impl Communicator {
         tuning.deterministic = self.is_deterministic();
         tuning.accumulate_f32 = self.accumulates_f32();
         tuning.skip_zeros = self.skips_zeros();
-        tuning.algo = self
-            .inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .algo
-            .clone();
+        let forced = self.inner.lock().unwrap_or_else(|p| p.into_inner()).algo;
+        tuning.algo = Collective::ALL
+            .into_iter()
+            .filter(|&c| forced[c as usize] != Algo::Auto)
+            .map(|c| (c, forced[c as usize]))
+            .collect();
         tuning
     }
 
@@ -993,17 +991,11 @@ impl Communicator {
     /// The algorithm set for `coll` ([`set_algorithm`](Self::set_algorithm) or
     /// `HCOMM_ALGO`), `Auto` when none is.
     pub(crate) fn forced_algorithm(&self, coll: Collective) -> Algo {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .algo
-            .get(&coll)
-            .copied()
-            .unwrap_or(Algo::Auto)
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).algo[coll as usize]
     }
 
     fn choose(&self, inner: &mut Inner, coll: Collective, bytes: usize, canonical: bool) -> Algo {
-        let forced = inner.algo.get(&coll).copied().unwrap_or(Algo::Auto);
+        let forced = inner.algo[coll as usize];
         let algo = self.select(coll, bytes, forced, canonical);
         let bit = 1u16 << algo.code();
         if inner.logged[coll as usize] & bit == 0 {

@@ -73,7 +73,12 @@ pub(crate) struct TrafficTable(Vec<OpTraffic>);
 
 impl TrafficTable {
     pub(crate) fn add(&mut self, op: &'static str, calls: u64, c: Counters) {
-        let row = match self.0.iter().position(|r| r.op == op) {
+        // Names are static: the pointer decides at once for the rows of this very name.
+        let row = match self
+            .0
+            .iter()
+            .position(|r| std::ptr::eq(r.op, op) || r.op == op)
+        {
             Some(i) => &mut self.0[i],
             None => {
                 self.0.push(OpTraffic {
