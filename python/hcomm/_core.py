@@ -1093,6 +1093,15 @@ class Communicator:
                             f"{name}: the reduced rows reach row {int(idx[-1])}, but this rank's tensor has "
                             f"{dense_shape[0]} rows (the ranks' tensors differ in size)"
                         )
+                    # The tensor is built as coalesced with torch's invariant checks off, so
+                    # torch will index with these rows unchecked: make sure they are what the
+                    # reduction promises (ascending, unique, >= 0), or fail here rather than
+                    # let a wrong index write outside the tensor.
+                    if idx.numel() and (int(idx[0]) < 0 or not bool((idx[1:] > idx[:-1]).all())):
+                        raise HcommError(
+                            f"{name}: the reduced row indices are not ascending, unique and >= 0 "
+                            f"(first {int(idx[0])}, last {int(idx[-1])}); this is a bug in hcomm, please report it"
+                        )
                     return torch.sparse_coo_tensor(idx.unsqueeze(0), val, dense_shape, is_coalesced=True)
                 return idx, val
             import numpy as np

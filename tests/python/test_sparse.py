@@ -50,6 +50,41 @@ def test_sparse_tensor_must_be_row_sparse(comm):
 
 
 @needs_torch
+@pytest.mark.parametrize("rows", [[3, -1], [5, 2], [4, 4]])
+def test_wrong_reduced_rows_fail_before_torch_trusts_them(comm, monkeypatch, rows):
+    """The sparse tensor is built as coalesced with torch's invariant checks off: rows that are
+    negative, out of order or repeated (a transport bug) must raise, not reach torch's kernels
+    (which would write outside the tensor). The reduction's result is replaced here by such rows."""
+    import torch
+
+    real = comm._c
+
+    class WrongRows:
+        def __init__(self, holder):
+            self.holder = holder
+
+        def take(self):
+            self.holder.take()
+            return bytearray(np.array(rows, dtype=np.int64).tobytes()), bytearray(np.zeros(2 * 3, np.float32).tobytes())
+
+    class Core:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def sparse_all_reduce(self, *args):
+            engine, holder = real.sparse_all_reduce(*args)
+            return engine, WrongRows(holder)
+
+    monkeypatch.setattr(comm, "_c", Core())
+    t = torch.sparse_coo_tensor(torch.tensor([[1, 2]]), torch.ones(2, 3), (10, 3))
+    with pytest.raises(hcomm.HcommError, match="not ascending, unique and >= 0"):
+        comm.sparse_all_reduce(t)
+    monkeypatch.undo()
+    out = comm.sparse_all_reduce(t)  # the real result passes the check
+    assert out.coalesce().indices().tolist() == [[1, 2]]
+
+
+@needs_torch
 @pytest.mark.parametrize("n", [2, 3])
 def test_sparse_all_reduce_across_ranks(n):
     out = run_job(n, [WORKERS / "sparse.py"], timeout=120)
