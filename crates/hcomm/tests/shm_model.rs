@@ -82,6 +82,54 @@ fn double_buffered_slots_are_never_overwritten_while_read() {
     });
 }
 
+/// Arrival lines by parity (`src/shm/README.md`, "Control block"): arrival `t` stores its
+/// counter, and the one-shot data it publishes, in the line of parity `t % 2`; a waiter for
+/// `t` polls that line, which holds `t - 2` until then. The data a rank reads is always that
+/// arrival's, never the next one of that parity (loom checks the accesses for races too).
+#[test]
+fn arrival_lines_by_parity_carry_each_arrivals_data() {
+    const CALLS: u32 = 3;
+    let mut model = loom::model::Builder::new();
+    model.preemption_bound = Some(2);
+    model.check(|| {
+        type Lines = [[(AtomicU32, UnsafeCell<u32>); 2]; 2];
+        let line = || (AtomicU32::new(0), UnsafeCell::new(0u32));
+        let lines: Arc<Lines> = Arc::new([[line(), line()], [line(), line()]]);
+        let rank = |me: usize, lines: Arc<Lines>| {
+            let peer = 1 - me;
+            for t in 1..=CALLS {
+                let q = (t % 2) as usize;
+                lines[me][q].1.with_mut(|p| {
+                    // SAFETY: `p` points at the cell's value for the closure's duration. Only
+                    // this rank writes its lines; the peer read this one after arrival t - 2
+                    // and before its own arrival t - 1, which this rank awaited. loom checks
+                    // that ordering before running the closure.
+                    unsafe { *p = 100 * me as u32 + t }
+                });
+                lines[me][q].0.store(t, Ordering::Release);
+                while lines[peer][q].0.load(Ordering::Acquire) < t {
+                    loom::thread::yield_now();
+                }
+                let got = lines[peer][q].1.with(|p| {
+                    // SAFETY: `p` points at the cell's value for the closure's duration. The
+                    // peer wrote it before the Release store this Acquire load saw, and
+                    // rewrites it only after this rank's next arrival.
+                    unsafe { *p }
+                });
+                assert_eq!(
+                    got,
+                    100 * peer as u32 + t,
+                    "rank {me} read another arrival's data"
+                );
+            }
+        };
+        let l = lines.clone();
+        let other = loom::thread::spawn(move || rank(1, l));
+        rank(0, lines);
+        other.join().unwrap();
+    });
+}
+
 // ----- point-to-point rings (`src/shm/ring.rs`, README "Point-to-point rings") -----
 
 use hcomm::shm::ring::{Bytes, Counter, Ring};

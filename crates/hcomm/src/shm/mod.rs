@@ -52,7 +52,7 @@ const ABORT_WORD: usize = 16;
 /// rank for the first [`CPU_SLOTS`] ranks (see `wait_rank`). Written only when it changes.
 const CPU_AT: usize = 32;
 const CPU_SLOTS: usize = (HEADER - CPU_AT) / 4;
-const LINE: usize = 128;
+const LINE: usize = 256;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
 /// The pipelined all-reduce copies its result out with streaming (non-temporal) stores once
@@ -67,34 +67,41 @@ pub const STREAM_OUTPUTS_FROM: usize = 16 << 20;
 /// Default bytes of the vector handled per pipeline step (`HCOMM_SHM_CHUNK` overrides).
 pub use crate::config::knobs::DEFAULT_SHM_CHUNK as DEFAULT_CHUNK;
 
-// Offsets inside a rank's control line: two cache lines of 64 B. The first holds everything a
-// peer reads on the fast path of a one-shot collective (the counter, the fingerprint's summary
-// and up to `INLINE` bytes of data), so that one line moves per peer and call; a second line
-// of data cost ~0.1 µs per call here (../shared/limits: 8-16 B in 0.18 µs, 32 B in 0.31).
+// A rank's control block: four cache lines of 64 B. The lines at 0 and 128 are the arrival
+// lines of the two parities of the barrier count: arrival `t` writes line `t % 2`, which holds
+// everything a peer reads on the fast path of a one-shot collective (the counter, the
+// fingerprint and up to `INLINE` bytes of data), so that one line moves per peer and call (a
+// second line of data cost ~0.1 µs per call here, ../shared/limits: 8-16 B in 0.18 µs, 32 B
+// in 0.31). Two lines, not one: a peer that saw this rank arrive runs ahead into its next
+// call and writes its own next arrival, which goes to the other line, so this rank's read of
+// the peer's data does not collide with the peer's writes. Each arrival line starts a 128-byte
+// pair of lines (CPUs fetch such pairs together); the other lines of the block hold only what
+// never changes after attach (the pid). 2 ranks, against one line holding both parities: 8 B
+// 0.40-0.44 -> 0.38-0.42 µs, 32 B (inline now) 0.50-0.54 -> 0.39-0.41 µs (see the README).
+/// Offset of the arrival line of parity `q` in a control block is `q * PARITY_LINE`.
+const PARITY_LINE: usize = 128;
+/// In an arrival line: the barrier count of this rank's last arrival of that parity (a `u32`,
+/// the futex word).
 const CTR: usize = 0;
+/// In an arrival line: how many peers sleep on its counter.
 const WAITERS: usize = 4;
-const PID: usize = 8;
-/// Inode of the rank's pid namespace (pids are only comparable within one).
-const PIDNS: usize = 12;
-/// Two summaries of the fingerprint (by parity of the collective's number), a `u64` each:
-/// `fold_hash([seq, word, detail])` (see `fingerprint_summary`).
-const FP_SUMMARY: usize = 16;
-/// Up to this many bytes travel inside the first line itself (two parities of 16 bytes at
-/// offset 32), so a peer gets counter, fingerprint and data in one cache-line transfer.
-const INLINE: usize = 16;
+/// In an arrival line: the fingerprint {seq, word, detail} published with that arrival, when
+/// it was a call's first barrier.
+const FP: usize = 8;
+/// Up to this many bytes of a one-shot call travel inside its arrival line, so a peer gets
+/// counter, fingerprint and data in one cache-line transfer.
+const INLINE: usize = 32;
 const INLINE_AT: usize = 32;
-/// In the second line: the two full fingerprint slots {seq, word, detail}, read only to
-/// describe a mismatch the summaries showed.
-const FP_SLOTS: usize = 64;
-const FP_SLOT_LEN: usize = 24;
-// The fast path's fields share the first 64-byte line, without overlapping; the full slots
-// fit the second.
+/// In the line after the first arrival line: the rank's pid and the inode of its pid
+/// namespace (pids are only comparable within one).
+const PID: usize = 64;
+const PIDNS: usize = PID + 4;
+// The fast path's fields fill an arrival line without overlapping.
 const _: () = assert!(
-    WAITERS < PID
-        && PIDNS + 4 <= FP_SUMMARY
-        && FP_SUMMARY + 16 <= INLINE_AT
-        && INLINE_AT + 2 * INLINE <= 64
-        && FP_SLOTS + 2 * FP_SLOT_LEN <= LINE
+    WAITERS + 4 <= FP
+        && FP + 24 <= INLINE_AT
+        && INLINE_AT + INLINE <= 64
+        && LINE == 2 * PARITY_LINE
 );
 
 /// Layout of a segment for `size` ranks and `chunk`-byte steps.
@@ -113,10 +120,15 @@ impl Layout {
     fn small(&self, r: usize, par: usize) -> usize {
         HEADER + self.size * LINE + (2 * r + par) * SMALL
     }
-    /// Where a `len`-byte one-shot message of rank `r` goes.
-    fn slot(&self, r: usize, par: usize, len: usize) -> usize {
+    /// The arrival line of parity `q` of rank `r`.
+    fn arrival_line(&self, r: usize, q: usize) -> usize {
+        self.ctrl(r) + q * PARITY_LINE
+    }
+    /// Where a `len`-byte one-shot message of rank `r` goes: in the arrival line of the call's
+    /// barrier (parity `q`) when it fits, else in the small slot of the call's parity `par`.
+    fn slot(&self, r: usize, (par, q): (usize, usize), len: usize) -> usize {
         if len <= INLINE {
-            self.ctrl(r) + INLINE_AT + par * INLINE
+            self.arrival_line(r, q) + INLINE_AT
         } else {
             self.small(r, par)
         }
@@ -139,14 +151,6 @@ impl Layout {
 
 pub use crate::config::SHM_CHUNK_RANGE as CHUNK_RANGE;
 
-/// What a peer compares of a call's fingerprint: `fold_hash([seq, word, detail])`. Each step
-/// of the fold is a bijection of the running hash, so two fingerprints that differ in one of
-/// the three words always differ here; a mismatch goes unseen only if two or more words
-/// differ and the 64-bit hashes still collide.
-fn fingerprint_summary(fp: ShmFingerprint) -> u64 {
-    crate::base::ids::fold_hash([fp.seq, fp.word, fp.detail])
-}
-
 fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
 }
@@ -166,8 +170,6 @@ pub struct ShmGroup {
     counter: u32,
     calls: u64,
     steps: u64,
-    /// Collectives run on this group (parity selects the fingerprint slot).
-    collectives: u64,
     pidns: u32,
     policy: WaitPolicy,
     /// Accumulate f16 and bf16 in f32 (deterministic mode; see [`ShmGroup::set_canonical`]).
@@ -251,7 +253,6 @@ impl ShmGroup {
             counter: 0,
             calls: 0,
             steps: 0,
-            collectives: 0,
             pidns,
             policy,
             widen_halves: false,
@@ -325,10 +326,25 @@ impl ShmGroup {
         self.layout.size
     }
 
-    /// Publish the next arrival.
+    /// The parity of this rank's next arrival (its arrival line).
+    fn next_parity(&self) -> usize {
+        (self.counter.wrapping_add(1) % 2) as usize
+    }
+
+    /// The parities of a one-shot call: of its number (the small slots) and of its barrier
+    /// (the arrival line that carries inline data). Taken before the call's barrier.
+    fn one_shot_parities(&mut self) -> (usize, usize) {
+        let par = (self.calls % 2) as usize;
+        self.calls += 1;
+        (par, self.next_parity())
+    }
+
+    /// Publish the next arrival (in the arrival line of its parity).
     fn arrive(&mut self) -> u32 {
         self.counter = self.counter.wrapping_add(1);
-        let line = self.layout.ctrl(self.rank);
+        let line = self
+            .layout
+            .arrival_line(self.rank, (self.counter % 2) as usize);
         let ctr = self.seg.atomic_u32(line + CTR);
         ctr.store(self.counter, Ordering::Release);
         // Dekker with the waiter's `waiters += 1; fence; load(counter)` (README.md).
@@ -354,7 +370,9 @@ impl ShmGroup {
             Ordering::Acquire,
         );
         for p in 0..self.size() {
-            futex::wake_all(self.seg.atomic_u32(self.layout.ctrl(p) + CTR));
+            for q in 0..2 {
+                futex::wake_all(self.seg.atomic_u32(self.layout.arrival_line(p, q) + CTR));
+            }
         }
     }
 
@@ -400,7 +418,10 @@ impl ShmGroup {
 
     /// Wait until rank `p` has arrived `target` times.
     fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx) -> Result<()> {
-        let line = self.layout.ctrl(p);
+        // Arrival `target` is written to the line of its parity, which holds `target - 2`
+        // until then (p cannot arrive at `target + 2` before this rank arrived at
+        // `target + 1`).
+        let line = self.layout.arrival_line(p, (target % 2) as usize);
         let ctr = self.seg.atomic_u32(line + CTR);
         if reached(ctr.load(Ordering::Acquire), target) {
             return Ok(());
@@ -494,8 +515,9 @@ impl ShmGroup {
             }
             if now.duration_since(last_check) >= LIFE_CHECK_EVERY {
                 last_check = now;
-                let pid = self.seg.atomic_u32(line + PID).load(Ordering::Acquire);
-                let ns = self.seg.atomic_u32(line + PIDNS).load(Ordering::Relaxed);
+                let block = self.layout.ctrl(p);
+                let pid = self.seg.atomic_u32(block + PID).load(Ordering::Acquire);
+                let ns = self.seg.atomic_u32(block + PIDNS).load(Ordering::Relaxed);
                 if let Some(detail) = process_gone(pid, ns, self.pidns) {
                     return Err(Error::PeerClosed {
                         ctx: w.ctx.clone(),
@@ -517,52 +539,40 @@ impl ShmGroup {
         Ok(())
     }
 
-    /// Publish this call's fingerprint (before its first arrival) in slot `k % 2`, `k` being
-    /// the number of collectives this group ran: a peer is never more than one collective
-    /// ahead, so it never rewrites the slot a rank is checking. Returns the slot's parity and
-    /// the summary a peer compares.
-    fn publish(&mut self, fp: ShmFingerprint) -> (usize, u64) {
-        let par = (self.collectives % 2) as usize;
-        self.collectives += 1;
-        let line = self.layout.ctrl(self.rank);
-        let slot = line + FP_SLOTS + par * FP_SLOT_LEN;
-        self.seg.atomic_u64(slot).store(fp.seq, Ordering::Relaxed);
+    /// Publish this call's fingerprint (before its first arrival) in the arrival line of that
+    /// arrival (parity `q`, returned): a peer checks it after awaiting the arrival, and this
+    /// rank rewrites it two arrivals on, after that peer arrived once more.
+    fn publish(&mut self, fp: ShmFingerprint) -> usize {
+        let q = self.next_parity();
+        let at = self.layout.arrival_line(self.rank, q) + FP;
+        // Published by the Release store of this rank's next arrival.
+        self.seg.atomic_u64(at).store(fp.seq, Ordering::Relaxed);
         self.seg
-            .atomic_u64(slot + 8)
+            .atomic_u64(at + 8)
             .store(fp.word, Ordering::Relaxed);
         self.seg
-            .atomic_u64(slot + 16)
+            .atomic_u64(at + 16)
             .store(fp.detail, Ordering::Relaxed);
-        let summary = fingerprint_summary(fp);
-        // Published, with the full slot, by the Release store of this rank's next arrival.
-        self.seg
-            .atomic_u64(line + FP_SUMMARY + 8 * par)
-            .store(summary, Ordering::Relaxed);
-        (par, summary)
+        q
     }
 
     /// After the first barrier of a call: every peer published this very call (same sequence
-    /// number, else the ranks are out of step) with the same fingerprint. The summaries share
-    /// the counter's cache line, which the wait brought here; the full slots are read only
-    /// when a summary differs, to say how.
-    fn verify(&self, fp: ShmFingerprint, (par, summary): (usize, u64), w: &WaitCtx) -> Result<()> {
+    /// number, else the ranks are out of step) with the same fingerprint. The fingerprints
+    /// share the counter's cache line, which the wait brought here. (A peer whose arrival was
+    /// not the first barrier of a call left an older fingerprint there: a mismatch too.)
+    fn verify(&self, fp: ShmFingerprint, q: usize, w: &WaitCtx) -> Result<()> {
         for p in 0..self.size() {
             if p == self.rank {
                 continue;
             }
-            let line = self.layout.ctrl(p);
-            // Acquire: the arrival awaited published it (and the full slot) already.
-            if self
-                .seg
-                .atomic_u64(line + FP_SUMMARY + 8 * par)
-                .load(Ordering::Acquire)
-                == summary
-            {
-                continue;
-            }
-            let at = line + FP_SLOTS + par * FP_SLOT_LEN;
+            let at = self.layout.arrival_line(p, q) + FP;
+            // Acquire: the arrival awaited published it already.
             let seq = self.seg.atomic_u64(at).load(Ordering::Acquire);
             let word = self.seg.atomic_u64(at + 8).load(Ordering::Relaxed);
+            let detail = self.seg.atomic_u64(at + 16).load(Ordering::Relaxed);
+            if seq == fp.seq && word == fp.word && detail == fp.detail {
+                continue;
+            }
             let theirs = if seq != fp.seq {
                 format!("its collective number {seq}")
             } else {
@@ -662,14 +672,15 @@ impl ShmGroup {
         let writes_out = root.is_none_or(|r| r == me);
         if len <= SMALL {
             // One shot: everyone publishes its vector; everyone sums all in rank order.
-            let par = (self.calls % 2) as usize;
-            self.calls += 1;
+            let par = self.one_shot_parities();
             let src: &[u8] = match input {
                 Some(i) => i,
                 None => &*out,
             };
             // Protocol: slot (me, par) is this rank's: peers last read it in the call before the
             // previous one, and every peer arrived at the previous call after finishing that.
+            // (An inline slot lives in the arrival line of this call's barrier: peers last read
+            // it after the arrival before the previous one, and arrived once more since.)
             self.put(self.layout.slot(me, par, len), src);
             self.first_barrier(fp, w)?;
             if writes_out {
@@ -801,8 +812,7 @@ impl ShmGroup {
         let me = self.rank;
         if buf.len() <= SMALL {
             // One shot: the root publishes its slot, everyone copies it after one barrier.
-            let par = (self.calls % 2) as usize;
-            self.calls += 1;
+            let par = self.one_shot_parities();
             let len = buf.len();
             if me == root {
                 // Protocol: slot (root, par) is ours (see all_reduce's one-shot path).
@@ -865,8 +875,7 @@ impl ShmGroup {
         let writes_out = root.is_none_or(|r| r == me);
         if longest <= SMALL {
             // One shot: every rank publishes its block in its slot; one barrier; read them all.
-            let par = (self.calls % 2) as usize;
-            self.calls += 1;
+            let par = self.one_shot_parities();
             let src: &[u8] = match input {
                 Some(i) => i,
                 None => &out[offs[me]..offs[me] + blocks[me]],
