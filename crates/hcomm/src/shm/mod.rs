@@ -603,8 +603,9 @@ impl ShmGroup {
         self.verify(fp, published, w)
     }
 
-    /// Phase A of a pipelined step: the first step of a call also checks fingerprints.
-    fn phase_a(&mut self, first: &mut bool, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
+    /// The barrier of a pipelined step (one per step): the first step of a call also checks
+    /// fingerprints.
+    fn step_barrier(&mut self, first: &mut bool, fp: ShmFingerprint, w: &WaitCtx) -> Result<()> {
         if std::mem::take(first) {
             self.first_barrier(fp, w)
         } else {
@@ -792,7 +793,7 @@ impl ShmGroup {
                 }
             }
             if j <= chunks {
-                self.phase_a(&mut first, fp, w)?;
+                self.step_barrier(&mut first, fp, w)?;
             }
         }
         if writes_out && op == ReduceOp::Mean {
@@ -836,12 +837,14 @@ impl ShmGroup {
                 // Protocol: staging (root, par) is ours (readers finished two steps ago).
                 self.put(self.layout.staging(root, par), &buf[o..o + l]);
             }
-            self.phase_a(&mut first, fp, w)?;
+            self.step_barrier(&mut first, fp, w)?;
             if me != root {
-                // Protocol: published by the root's arrival; rewritten only after our next one.
+                // Protocol: published by the root's arrival; rewritten only after our next one
+                // (at the next step's barrier).
                 self.get(self.layout.staging(root, par), &mut buf[o..o + l]);
             }
-            self.arrive_and_wait_all(w)?;
+            // No second barrier: what this step read is rewritten only two steps on, after
+            // the next step's barrier, which every reader reaches only once it has read.
             o += l;
             if o >= buf.len() {
                 return Ok(());
@@ -911,7 +914,7 @@ impl ShmGroup {
             };
             // Protocol: staging (me, par) is ours (readers finished two steps ago).
             self.put(self.layout.staging(me, par), src);
-            self.phase_a(&mut first, fp, w)?;
+            self.step_barrier(&mut first, fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
                     let l = b.saturating_sub(o).min(chunk);
@@ -919,11 +922,13 @@ impl ShmGroup {
                         continue;
                     }
                     let dst = &mut out[offs[p] + o..offs[p] + o + l];
-                    // Protocol: published by p's arrival; rewritten only after our next arrival.
+                    // Protocol: published by p's arrival; rewritten only after our next arrival
+                    // (at the next step's barrier).
                     self.get(self.layout.staging(p, par), dst);
                 }
             }
-            self.arrive_and_wait_all(w)?;
+            // No second barrier: what this step read is rewritten only two steps on, after
+            // the next step's barrier, which every reader reaches only once it has read.
             o += chunk;
             if o >= longest {
                 return Ok(());
@@ -977,11 +982,32 @@ impl ShmGroup {
                     );
                 }
             }
-            self.phase_a(&mut first, fp, w)?;
+            self.step_barrier(&mut first, fp, w)?;
             let l = blocks[me].saturating_sub(o).min(piece);
-            if l > 0 {
+            if let (true, Some(input)) = (l > 0, input) {
+                // Out of place: reduce straight into our block of `out` (only this rank ever
+                // reads its piece, so it need not pass through the result area).
+                let own = &input[offs[me] + o..offs[me] + o + l];
+                let contribution = |p: usize| -> &[u8] {
+                    if p == me {
+                        own
+                    } else {
+                        // Protocol: published by p's arrival.
+                        self.seg.view(self.layout.staging(p, par) + me * piece, l)
+                    }
+                };
+                Self::reduce_in_rank_order(
+                    n,
+                    &mut out[o..o + l],
+                    dtype,
+                    op,
+                    self.widen_halves,
+                    contribution,
+                );
+                self.read += ((n - 1) * l) as u64;
+            } else if l > 0 {
                 let r_off = self.layout.result(par) + me * piece;
-                // Protocol: our piece of the result area, ours between phases A and B.
+                // Protocol: our piece of the result area, nobody else reads or writes it.
                 let acc = self.seg.view_mut(r_off, l);
                 let own: &[u8] = match input {
                     Some(i) => &i[offs[me] + o..offs[me] + o + l],
@@ -991,7 +1017,7 @@ impl ShmGroup {
                     if p == me {
                         own
                     } else {
-                        // Protocol: published by p's phase-A arrival.
+                        // Protocol: published by p's arrival.
                         self.seg.view(self.layout.staging(p, par) + me * piece, l)
                     }
                 };
@@ -1005,7 +1031,8 @@ impl ShmGroup {
                 self.read += (n * l) as u64;
                 self.written += l as u64;
             }
-            self.arrive_and_wait_all(w)?;
+            // No second barrier: what this step read is rewritten only two steps on, after
+            // the next step's barrier, which every reader reaches only once it has read.
             o += piece;
             if o >= longest {
                 break;
@@ -1074,20 +1101,21 @@ impl ShmGroup {
                     }
                 }
             }
-            self.phase_a(&mut first, fp, w)?;
+            self.step_barrier(&mut first, fp, w)?;
             for (q, b) in recv.iter().enumerate() {
                 let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                 let src = root.unwrap_or(q);
                 if l > 0 && root.is_none_or(|r| q == r) {
-                    // Protocol: published by the sender's phase-A arrival; rewritten only after our
-                    // phase-B arrival.
+                    // Protocol: published by the sender's arrival; rewritten only after our next
+                    // arrival (at the next step's barrier).
                     self.get(
                         self.layout.staging(src, par) + me * piece,
                         &mut out[off + o..off + o + l],
                     );
                 }
             }
-            self.arrive_and_wait_all(w)?;
+            // No second barrier: what this step read is rewritten only two steps on, after
+            // the next step's barrier, which every reader reaches only once it has read.
             o += piece;
             if o >= longest {
                 return Ok(());
