@@ -732,6 +732,77 @@ fn back_to_back_one_phase_collectives_never_report_false_mismatches() {
 }
 
 #[test]
+fn back_to_back_pipelined_collectives_read_every_step_of_their_own_call() {
+    // The pipelined shared-memory collectives have one barrier per step and none at their
+    // end: a rank may start the next collective (and its next step) while a peer still reads
+    // this one's last step. Vectors of several steps, every kind after every other, ranks
+    // skewed by rank-dependent pauses, every element checked: a staging buffer rewritten too
+    // early shows up as a value of the wrong call or step.
+    const N: usize = 3;
+    all_ok(run_threads_with(N, TransportKind::Shm, T, |c| {
+        let me = c.rank();
+        let value = |call: u32, rank: usize, i: usize| {
+            (call as usize * 7919 + rank * 104_729 + i * 31) as u32 % 1_000_003
+        };
+        let pause = |call: u32| {
+            // Deterministic skew: a different rank lags at each call.
+            if call as usize % N == me {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        };
+        let big = 400_000; // 1.6 MB of u32: 4 steps of the default 512 KiB chunk
+        let block = 140_000; // per rank: several steps of the per-block pieces
+        for call in 0..24u32 {
+            pause(call);
+            let root = call as usize % N;
+            let mut b: Vec<u32> = if me == root {
+                (0..big).map(|i| value(call, root, i)).collect()
+            } else {
+                vec![0; big]
+            };
+            c.broadcast(&mut b, root)?;
+            assert!(b
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == value(call, root, i)));
+            pause(call + 1);
+            let mine: Vec<u32> = (0..block).map(|i| value(call, me, i)).collect();
+            let mut all = vec![0u32; block * N];
+            c.all_gather(&mine, &mut all)?;
+            for r in 0..N {
+                let got = &all[r * block..(r + 1) * block];
+                assert!(got.iter().enumerate().all(|(i, &x)| x == value(call, r, i)));
+            }
+            pause(call + 2);
+            let send: Vec<u32> = (0..block * N).map(|i| value(call, me, i)).collect();
+            let mut out = vec![0u32; block];
+            let sum = |i: usize| (0..N).fold(0u32, |a, r| a.wrapping_add(value(call, r, i)));
+            if call % 2 == 0 {
+                c.reduce_scatter(&send, &mut out, ReduceOp::Sum)?;
+            } else {
+                let mut inplace = send.clone();
+                c.reduce_scatter_in_place(&mut inplace, ReduceOp::Sum)?;
+                out.copy_from_slice(&inplace[me * block..(me + 1) * block]);
+            }
+            assert!(out
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == sum(me * block + i)));
+            let mut recv = vec![0u32; block * N];
+            c.all_to_all(&send, &mut recv)?;
+            for r in 0..N {
+                let got = &recv[r * block..(r + 1) * block];
+                assert!(got
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == value(call, r, me * block + i)));
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
 fn v_variants_with_different_counts_arrays_fail_instead_of_corrupting() {
     // Review finding: same total, different per-rank counts must be a mismatch on every path.
     let res = run_threads(2, T, |c| {
