@@ -84,9 +84,11 @@ def test_train_ddp_quick_every_mode(tmp_path):
     assert results["fsdp2-gloo"]["hcomm_sent_per_step"] is None
     # one more line each: DDP's compression hook and FSDP2's compressed reduce-scatter send
     # less than their exact forms (int8: about a quarter of the gradients' bytes; FSDP2's
-    # all-gathers of parameters stay exact: measured 0.55x of fsdp2-hcomm's bytes)
+    # all-gathers of parameters stay exact: measured 0.78x of fsdp2-hcomm's bytes since the
+    # exact shared-memory reduce-scatter stopped writing each rank's own block through the
+    # segment (2026-12-06; 0.55x before), 1.0x without compression)
     assert results["ddp-hcomm:int8"]["hcomm_sent_per_step"] < 0.4 * results["ddp-hcomm"]["hcomm_sent_per_step"]
-    assert results["fsdp2-hcomm:int8"]["hcomm_sent_per_step"] < 0.7 * results["fsdp2-hcomm"]["hcomm_sent_per_step"]
+    assert results["fsdp2-hcomm:int8"]["hcomm_sent_per_step"] < 0.85 * results["fsdp2-hcomm"]["hcomm_sent_per_step"]
 
 
 @needs_torch
