@@ -586,9 +586,19 @@ pub fn conditions_line(noise: usize) -> String {
     format!(
         "# conditions: {} busy process(es) beside the ranks (--noise), {} cores, steal {} just before the run",
         noise,
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        online_cpus(),
         steal.map_or("unknown".to_string(), |s| format!("{s:.1}%"))
     )
+}
+
+/// The machine's online CPUs. Not `available_parallelism`: the launcher binds each rank to
+/// its own CPUs, so a rank's affinity mask says 1 on a machine of 2.
+fn online_cpus() -> usize {
+    use nix::unistd::{sysconf, SysconfVar};
+    match sysconf(SysconfVar::_NPROCESSORS_ONLN) {
+        Ok(Some(n)) if n > 0 => n as usize,
+        _ => std::thread::available_parallelism().map_or(0, |n| n.get()),
+    }
 }
 
 /// The nccl-tests table header.

@@ -33,6 +33,7 @@ pub fn all_reduce_rd(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp) 
                     r - 1,
                     Sink::Reduce {
                         dst: &mut *buf,
+                        acc: None,
                         dtype,
                         op,
                         order: Order::SrcFirst,

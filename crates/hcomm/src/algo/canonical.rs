@@ -172,6 +172,7 @@ fn fold_pair(run: &mut Run, send: &[u8], dst: &mut [u8], dtype: DType, op: Reduc
             0,
             Sink::Reduce {
                 dst,
+                acc: None,
                 dtype,
                 op,
                 order,

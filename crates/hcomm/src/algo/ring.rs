@@ -17,11 +17,17 @@ fn neighbours(run: &Run) -> (usize, usize) {
     ((run.rank + 1) % n, (run.rank + n - 1) % n)
 }
 
-/// In-place ring reduce-scatter over `buf` split into `segs`: afterwards segment `rank` holds
-/// the reduction of every rank's segment `rank`; other segments hold partial sums. Uses steps
+/// Ring reduce-scatter into `buf` split into `segs`: afterwards segment `rank` holds the
+/// reduction of every rank's segment `rank`; other segments hold partial sums. Uses steps
 /// `step0 .. step0 + n - 1`.
+///
+/// With `input`, this rank's contribution is read from it, and `buf` need not be filled first:
+/// each received segment is reduced with `input`'s in one pass into `buf` (bitwise what
+/// copying `input` into `buf` first gives); segment `rank - 1` of `buf`, which this rank
+/// only sends, is left unwritten.
 pub fn reduce_scatter_in_place(
     run: &mut Run,
+    input: Option<&[u8]>,
     buf: &mut [u8],
     segs: &[Range<usize>],
     dtype: DType,
@@ -35,6 +41,11 @@ pub fn reduce_scatter_in_place(
         let s_idx = (r + 2 * n - t - 1) % n;
         let r_idx = (r + 2 * n - t - 2) % n;
         let (send, recv) = split_two(buf, segs[s_idx].clone(), segs[r_idx].clone());
+        // Step 0 sends this rank's own contribution; later steps forward partial sums.
+        let send = match input {
+            Some(i) if t == 0 => &i[segs[s_idx].clone()],
+            _ => send,
+        };
         run.step(
             step0 + t as u32,
             Some((right, send)),
@@ -42,6 +53,7 @@ pub fn reduce_scatter_in_place(
                 left,
                 Sink::Reduce {
                     dst: recv,
+                    acc: input.map(|i| &i[segs[r_idx].clone()]),
                     dtype,
                     op,
                     order: Order::SrcFirst,
@@ -76,15 +88,24 @@ pub fn all_gather_in_place(
     Ok(())
 }
 
-/// Ring all-reduce in place: reduce-scatter then all-gather.
+/// Ring all-reduce: reduce-scatter then all-gather, into `buf` — in place, or from `input`
+/// when given (no copy of `input` into `buf` first: every byte of `buf` is written by a
+/// reduction or by the all-gather).
 pub fn all_reduce(
     run: &mut Run,
+    input: Option<&[u8]>,
     buf: &mut [u8],
     segs: &[Range<usize>],
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    reduce_scatter_in_place(run, buf, segs, dtype, op, 0)?;
+    if run.size == 1 {
+        if let Some(i) = input {
+            buf.copy_from_slice(i);
+        }
+        return Ok(());
+    }
+    reduce_scatter_in_place(run, input, buf, segs, dtype, op, 0)?;
     all_gather_in_place(run, buf, segs, run.size as u32)
 }
 
@@ -122,7 +143,8 @@ pub fn reduce_scatter(
         let (t0, t1) = tmp.split_at_mut(half);
         let (cur, prev) = if t % 2 == 0 { (t0, &*t1) } else { (t1, &*t0) };
         let step = t as u32;
-        // Source of this step's send, target of its receive (pre-filled with own input).
+        // Source of this step's send; target of its receive, which the reduction writes from
+        // this rank's input and what arrives (nothing is copied into it first).
         match (&mut inplace, &mut io_out) {
             (Some(buf), _) => {
                 if t == 0 && last {
@@ -143,16 +165,16 @@ pub fn reduce_scatter(
                     )?;
                 } else {
                     let recv = &mut cur[..segs[r_idx].len()];
-                    recv.copy_from_slice(&buf[segs[r_idx].clone()]);
                     let send: &[u8] = if t == 0 {
                         &buf[segs[s_idx].clone()]
                     } else {
                         &prev[..segs[s_idx].len()]
                     };
+                    let acc = &buf[segs[r_idx].clone()];
                     run.step(
                         step,
                         Some((right, send)),
-                        Some((left, reduce_sink(recv, dtype, op))),
+                        Some((left, reduce_sink_from(recv, acc, dtype, op))),
                     )?;
                 }
             }
@@ -168,11 +190,11 @@ pub fn reduce_scatter(
                 } else {
                     &mut cur[..segs[r_idx].len()]
                 };
-                recv.copy_from_slice(&input[segs[r_idx].clone()]);
+                let acc = &input[segs[r_idx].clone()];
                 run.step(
                     step,
                     Some((right, send)),
-                    Some((left, reduce_sink(recv, dtype, op))),
+                    Some((left, reduce_sink_from(recv, acc, dtype, op))),
                 )?;
             }
             (None, None) => unreachable!(),
@@ -189,6 +211,18 @@ pub fn reduce_scatter(
 fn reduce_sink(dst: &mut [u8], dtype: DType, op: ReduceOp) -> Sink<'_> {
     Sink::Reduce {
         dst,
+        acc: None,
+        dtype,
+        op,
+        order: Order::SrcFirst,
+    }
+}
+
+/// A sink writing `incoming ⊕ acc` into `dst` in one pass (`dst` need not be filled).
+fn reduce_sink_from<'a>(dst: &'a mut [u8], acc: &'a [u8], dtype: DType, op: ReduceOp) -> Sink<'a> {
+    Sink::Reduce {
+        dst,
+        acc: Some(acc),
         dtype,
         op,
         order: Order::SrcFirst,

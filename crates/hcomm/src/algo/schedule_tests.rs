@@ -108,6 +108,7 @@ fn all_reduce(n: usize, algo: Algo, dtype: DType, op: ReduceOp, count: usize, se
             match algo {
                 Algo::Ring => ring::all_reduce(
                     run,
+                    None,
                     &mut buf,
                     &even_segments(count, n, dtype.size()),
                     dtype,
@@ -385,6 +386,93 @@ fn every_schedule_on_1_to_17_ranks() {
                 Ok(Vec::new())
             },
         );
+    }
+}
+
+/// The out-of-place ring all-reduce of `inputs` (one per rank), into outputs filled with
+/// `0xA5` first: every rank's output, and a check that no rank's input changed.
+fn ring_all_reduce_from(inputs: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<Vec<u8>> {
+    let n = inputs.len();
+    let count = inputs[0].len() / dtype.size();
+    world(
+        n,
+        fp(
+            Collective::AllReduce,
+            Algo::Ring,
+            dtype,
+            Some(op),
+            None,
+            count,
+        ),
+        |run, r| {
+            let mut out = vec![0xA5u8; inputs[r].len()];
+            let segs = even_segments(count, n, dtype.size());
+            let before = inputs[r].clone();
+            ring::all_reduce(run, Some(&inputs[r]), &mut out, &segs, dtype, op)?;
+            assert_eq!(
+                inputs[r], before,
+                "rank {r} of {n}: the ring wrote its input"
+            );
+            Ok(out)
+        },
+    )
+}
+
+#[test]
+fn out_of_place_ring_all_reduce_writes_every_byte_of_its_output() {
+    // The output starts as 0xA5 garbage, never as a copy of the input: a byte the schedule
+    // leaves unwritten, or a reduction that reads the output instead of the input, shows.
+    for n in 1..=7 {
+        for (d, dtype) in DTYPES.iter().enumerate() {
+            for count in [0, 1, 2, 7, 4099] {
+                let op = OPS[(n + d) % OPS.len()];
+                let seed = (n * 31 + d) as u64;
+                let inputs: Vec<Vec<u8>> =
+                    (0..n).map(|r| input(*dtype, op, r, count, seed)).collect();
+                let want = reference(*dtype, op, n, count, seed);
+                for (r, got) in ring_all_reduce_from(&inputs, *dtype, op).iter().enumerate() {
+                    assert!(
+                        got == &want,
+                        "out-of-place ring {dtype} {op} count {count} on {n} ranks: rank {r} differs"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn out_of_place_ring_all_reduce_is_bitwise_the_in_place_one() {
+    // Random floats, where the order of every addition shows in the bits: reducing the
+    // received segment with the input in one pass must be the same operation, in the same
+    // operand order, as copying the input first and reducing into the copy.
+    for n in [2, 3, 4, 5] {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let count = 4099;
+            let inputs: Vec<Vec<u8>> = (0..n).map(|r| random_floats(dtype, r, count, 5)).collect();
+            let in_place = world(
+                n,
+                fp(
+                    Collective::AllReduce,
+                    Algo::Ring,
+                    dtype,
+                    Some(ReduceOp::Sum),
+                    None,
+                    count,
+                ),
+                |run, r| {
+                    let mut buf = inputs[r].clone();
+                    let segs = even_segments(count, n, dtype.size());
+                    ring::all_reduce(run, None, &mut buf, &segs, dtype, ReduceOp::Sum)?;
+                    Ok(buf)
+                },
+            );
+            let from = ring_all_reduce_from(&inputs, dtype, ReduceOp::Sum);
+            assert!(
+                in_place == from,
+                "{dtype} on {n} ranks: out of place differs from in place"
+            );
+        }
     }
 }
 
@@ -678,6 +766,7 @@ fn the_default_schedules_do_depend_on_the_order() {
                 match algo {
                     Algo::Ring => ring::all_reduce(
                         run,
+                        None,
                         &mut buf,
                         &even_segments(count, n, 4),
                         DType::F32,

@@ -74,7 +74,7 @@ pub fn all_reduce_pair(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp
     let their_count: usize = (0..blocks).filter(|&b| is_set(&theirs, b)).count();
     if my_count == blocks && their_count == blocks {
         let count = buf.len() / es;
-        ring::all_reduce(run, buf, &even_segments(count, 2, es), dtype, op)?;
+        ring::all_reduce(run, None, buf, &even_segments(count, 2, es), dtype, op)?;
         return Ok(mine.len() + buf.len());
     }
     // x0 ⊕ x1 on both ranks: rank 0 holds x0, rank 1 receives it.
@@ -112,6 +112,7 @@ pub fn all_reduce_pair(run: &mut Run, buf: &mut [u8], dtype: DType, op: ReduceOp
                 .map(|(i, dst)| {
                     let sink = Sink::Reduce {
                         dst,
+                        acc: None,
                         dtype,
                         op,
                         order,
@@ -244,6 +245,7 @@ fn receive_runs(
             .map(|(i, dst)| {
                 let sink = Sink::Reduce {
                     dst,
+                    acc: None,
                     dtype,
                     op,
                     order,

@@ -116,6 +116,7 @@ pub fn reduce_tree(
             if child < n {
                 let sink = Sink::Reduce {
                     dst: &mut *acc,
+                    acc: None,
                     dtype,
                     op,
                     order: Order::AccFirst,
@@ -179,6 +180,7 @@ pub fn reduce_chain(
                             c,
                             Sink::Reduce {
                                 dst: out,
+                                acc: None,
                                 dtype,
                                 op,
                                 order: Order::AccFirst,
@@ -204,6 +206,7 @@ pub fn reduce_chain(
                         step,
                         Sink::Reduce {
                             dst,
+                            acc: None,
                             dtype,
                             op,
                             order: Order::AccFirst,

@@ -125,7 +125,12 @@ impl Communicator {
                     let (g, w, fp) = run.shm_parts();
                     return g.all_reduce(send, recv, dtype, op, None, fp, &w);
                 }
-                if let Some(s) = send {
+                // The ring reads an out-of-place input itself (reducing it with what arrives,
+                // one pass); the other schedules work in place on a copy.
+                let ring = !skip_zeros
+                    && n > 1
+                    && !matches!(algo, Algo::RecursiveDoubling | Algo::Canonical);
+                if let Some(s) = send.filter(|_| !ring) {
                     recv.copy_from_slice(s);
                 }
                 if skip_zeros {
@@ -139,6 +144,7 @@ impl Communicator {
                         Algo::Canonical => canonical::all_reduce(run, recv, dtype, op)?,
                         _ => ring::all_reduce(
                             run,
+                            send,
                             recv,
                             &even_segments(count, n, dtype.size()),
                             dtype,

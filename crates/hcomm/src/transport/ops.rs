@@ -8,7 +8,7 @@
 
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::{Error, OpContext};
-use crate::base::reduce::{reduce_into, Order};
+use crate::base::reduce::{reduce_into, reduce_pair, Order};
 use crate::wire::frame::{Header, Kind, HEADER_LEN};
 
 /// Smallest stripe: a payload of `len` bytes travels over `min(nsocks, len / STRIPE_MIN)`
@@ -44,8 +44,12 @@ pub enum Sink<'a> {
     Buf(&'a mut [u8]),
     /// Reduce into this buffer.
     Reduce {
-        /// Accumulator.
+        /// Accumulator: where the result goes.
         dst: &'a mut [u8],
+        /// The accumulator's value, when it is not `dst`'s own (an out-of-place reduction
+        /// reads its input here and writes `dst` in the same pass, so `dst` need not be
+        /// filled first); `dst`'s length.
+        acc: Option<&'a [u8]>,
         /// Element type.
         dtype: DType,
         /// Operator.
@@ -76,10 +80,22 @@ impl Sink<'_> {
             Sink::Buf(b) => b[at..at + bytes.len()].copy_from_slice(bytes),
             Sink::Reduce {
                 dst,
+                acc,
                 dtype,
                 op,
                 order,
-            } => reduce_into(*dtype, *op, &mut dst[at..at + bytes.len()], bytes, *order),
+            } => {
+                let out = &mut dst[at..at + bytes.len()];
+                match (acc, *order) {
+                    (None, _) => reduce_into(*dtype, *op, out, bytes, *order),
+                    (Some(a), Order::AccFirst) => {
+                        reduce_pair(*dtype, *op, out, &a[at..at + bytes.len()], bytes)
+                    }
+                    (Some(a), Order::SrcFirst) => {
+                        reduce_pair(*dtype, *op, out, bytes, &a[at..at + bytes.len()])
+                    }
+                }
+            }
         }
     }
 }
@@ -582,6 +598,7 @@ mod tests {
         let mut acc = f(&[1.0, 2.0, 3.0]);
         let mut sink = Sink::Reduce {
             dst: &mut acc,
+            acc: None,
             dtype: DType::F32,
             op: ReduceOp::Max,
             order: Order::SrcFirst,
@@ -603,6 +620,7 @@ mod tests {
         let mut acc = vec![1u8; n];
         let mut sink = Sink::Reduce {
             dst: &mut acc,
+            acc: None,
             dtype: DType::U8,
             op: ReduceOp::Sum,
             order: Order::AccFirst,
@@ -623,5 +641,64 @@ mod tests {
         }
         assert_eq!(r.delivered, n);
         assert!(acc.iter().zip(&src).all(|(a, s)| *a == s + 1));
+    }
+
+    #[test]
+    fn staged_delivery_with_an_accumulator_writes_incoming_then_acc_into_dst() {
+        // Odd pieces through a staging buffer, into a destination of garbage: every byte must
+        // come out as `incoming ⊕ acc`, each at its own offset.
+        let n = 600 << 10;
+        let src: Vec<u8> = (0..n).map(|i| (i % 7) as u8).collect();
+        let acc: Vec<u8> = (0..n).map(|i| (i % 11) as u8).collect();
+        for order in [Order::SrcFirst, Order::AccFirst] {
+            let mut dst = vec![0xA5u8; n];
+            let mut sink = Sink::Reduce {
+                dst: &mut dst,
+                acc: Some(&acc),
+                dtype: DType::I8,
+                op: ReduceOp::Sum,
+                order,
+            };
+            let mut r = RecvPart {
+                stripe: 0,
+                lo: 0,
+                hi: n,
+                pending: None,
+                id: 1,
+                delivered: 0,
+                staging: vec![0u64; (256 << 10) / 8],
+                staged: 0,
+                done: false,
+            };
+            for piece in src.chunks(70_001) {
+                r.deliver(&mut sink, piece);
+            }
+            assert_eq!(r.delivered, n);
+            assert!(dst
+                .iter()
+                .zip(src.iter().zip(&acc))
+                .all(|(d, (s, a))| *d == s + a));
+        }
+        // The operand order reaches the operator: max of 0.0 and -0.0 (equal) keeps its first
+        // operand, so the sign bits tell which came first.
+        let f = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
+        let (inc, a) = (f(&[0.0, -0.0]), f(&[-0.0, 0.0]));
+        for (order, want) in [
+            (Order::SrcFirst, [0.0f32, -0.0]),
+            (Order::AccFirst, [-0.0, 0.0]),
+        ] {
+            let mut dst = vec![0u8; 8];
+            let mut sink = Sink::Reduce {
+                dst: &mut dst,
+                acc: Some(&a),
+                dtype: DType::F32,
+                op: ReduceOp::Max,
+                order,
+            };
+            sink.absorb(0, &inc);
+            let got = bytemuck::cast_slice::<u8, f32>(&dst);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(got), bits(&want), "{order:?}");
+        }
     }
 }
