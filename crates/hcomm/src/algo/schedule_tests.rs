@@ -477,6 +477,72 @@ fn out_of_place_ring_all_reduce_is_bitwise_the_in_place_one() {
 }
 
 #[test]
+fn the_pipelined_pair_all_reduce_is_bitwise_the_two_phase_ring() {
+    // Two ranks and at least two chunks take the pipelined schedule: sizes at the threshold,
+    // one element past it (segments of unequal length, a last chunk of one element) and with
+    // a partial last chunk; in place and out of place, against the two phases run directly.
+    let two_phase = |inputs: &[Vec<u8>], dtype: DType, op: ReduceOp| {
+        let count = inputs[0].len() / dtype.size();
+        world(
+            2,
+            fp(
+                Collective::AllReduce,
+                Algo::Ring,
+                dtype,
+                Some(op),
+                None,
+                count,
+            ),
+            |run, r| {
+                let mut buf = inputs[r].clone();
+                let segs = even_segments(count, 2, dtype.size());
+                ring::reduce_scatter_in_place(run, None, &mut buf, &segs, dtype, op, 0)?;
+                ring::all_gather_in_place(run, &mut buf, &segs, 2)?;
+                Ok(buf)
+            },
+        )
+    };
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::I8] {
+        let es = dtype.size();
+        let at = 2 * ring::PAIR_CHUNK / es;
+        for count in [
+            at,
+            at + 1,
+            at + 2 * 1000 + 1,
+            7 * ring::PAIR_CHUNK / es / 2 + 3,
+        ] {
+            let op = if dtype == DType::I8 {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
+            let inputs: Vec<Vec<u8>> = (0..2).map(|r| random_floats(dtype, r, count, 9)).collect();
+            let want = two_phase(&inputs, dtype, op);
+            let from = ring_all_reduce_from(&inputs, dtype, op);
+            assert!(from == want, "{dtype} count {count}: out of place differs");
+            let in_place = world(
+                2,
+                fp(
+                    Collective::AllReduce,
+                    Algo::Ring,
+                    dtype,
+                    Some(op),
+                    None,
+                    count,
+                ),
+                |run, r| {
+                    let mut buf = inputs[r].clone();
+                    let segs = even_segments(count, 2, es);
+                    ring::all_reduce(run, None, &mut buf, &segs, dtype, op)?;
+                    Ok(buf)
+                },
+            );
+            assert!(in_place == want, "{dtype} count {count}: in place differs");
+        }
+    }
+}
+
+#[test]
 fn chain_schedules_with_several_chunks() {
     // Larger than two chain chunks, so the pipeline forwards and receives at once.
     let count = 2 * tree::CHAIN_CHUNK / 4 + 1001;
