@@ -60,6 +60,9 @@ def run_job(
     full_env = dict(os.environ)
     full_env.setdefault("HCOMM_TIMEOUT", "60")
     full_env["PYTHONUNBUFFERED"] = "1"
+    # A rank that dies of a signal (SIGSEGV, or SIGABRT from glibc's heap checks) prints every
+    # thread's Python stack, so a crash names its call, not only the last line printed.
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")
     if env:
         full_env.update(env)
     proc = subprocess.Popen(
