@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod error;
 pub mod ids;
 pub mod reduce;
+pub mod scratch;
 pub mod segments;
 #[allow(unsafe_code)]
 pub(crate) mod simd;

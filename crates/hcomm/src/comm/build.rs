@@ -313,6 +313,7 @@ impl Communicator {
             deterministic: AtomicBool::new(tuning.deterministic),
             accumulate_f32: AtomicBool::new(tuning.accumulate_f32),
             skip_zeros: AtomicBool::new(tuning.skip_zeros),
+            scratch: Mutex::new(Default::default()),
             tuning,
             token,
             listen_addr,

@@ -242,6 +242,9 @@ pub struct Communicator {
     accumulate_f32: AtomicBool,
     /// Two-rank all-reduces across hosts skip zero blocks ([`Communicator::set_skip_zeros`]).
     skip_zeros: AtomicBool,
+    /// Buffers the compressed all-reduce reuses between calls (taken in the operation's
+    /// turn; see [`crate::base::scratch`]).
+    scratch: Mutex<crate::base::scratch::Scratch>,
     /// The job token every connection proves (inherited by sub-communicators).
     token: Option<JobToken>,
     /// Where this rank accepts data links, and what became of the connections there.
@@ -624,6 +627,12 @@ impl Communicator {
 
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// The communicator's reusable buffers, for an operation in its turn (the lock is never
+    /// contended: operations run one at a time).
+    pub(crate) fn scratch(&self) -> MutexGuard<'_, crate::base::scratch::Scratch> {
+        self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The last operations this communicator finished (at most

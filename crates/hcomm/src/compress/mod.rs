@@ -856,7 +856,11 @@ impl Communicator {
         let lens: Vec<usize> = chunks.iter().map(|c| codec.encoded_len(c.len())).collect();
         // Equal blocks for the all-to-all (shared memory needs them): pad to the longest.
         let pad = lens.iter().copied().max().unwrap_or(0);
-        let mut send = vec![0u8; pad * world];
+        let mine = chunks[me].clone();
+        // Reused between calls (a bucket-sized allocation per call costs a page fault per
+        // 4 KiB); every byte read below is written first.
+        let mut scratch = self.scratch();
+        let (send, recv, enc, sum) = scratch.take(pad * world, pad * world, lens[me], mine.len());
         for ((c, &l), out) in chunks.iter().zip(&lens).zip(send.chunks_mut(pad.max(1))) {
             if state.error_feedback {
                 // buf + residual encoded, the residual left with what that loses
@@ -868,29 +872,26 @@ impl Communicator {
             } else {
                 codec.encode(&buf[c.clone()], &mut out[..l])?;
             }
+            out[l..].fill(0); // the padding travels too
         }
-        let mut recv = vec![0u8; pad * world];
-        self.all_to_all(&send, &mut recv)?;
-        drop(send);
+        self.all_to_all(send, recv)?;
         // The chunk this rank owns: the sum of every rank's encoding of it, in rank order.
-        let mine = chunks[me].clone();
         state.owner = Some(mine.clone());
-        let mut sum = vec![0f32; mine.len()];
+        sum.fill(0.0);
         for part in recv.chunks(pad.max(1)) {
-            codec.decode_add(&part[..lens[me]], &mut sum)?;
+            codec.decode_add(&part[..lens[me]], sum)?;
         }
-        drop(recv);
-        let mut enc = vec![0u8; lens[me]];
         if state.error_feedback {
             if state.owner_residual.len() != sum.len() {
                 state.owner_residual = vec![0.0; sum.len()];
             }
-            codec.encode_keeping_error(&sum, &mut state.owner_residual, &mut enc)?;
+            codec.encode_keeping_error(sum, &mut state.owner_residual, enc)?;
         } else {
-            codec.encode(&sum, &mut enc)?;
+            codec.encode(sum, enc)?;
         }
-        let mut all = vec![0u8; lens.iter().sum()];
-        self.all_gather_v_bytes(Some(&enc), &mut all, &lens, DType::U8)?;
+        // (the all-to-all's send buffer is free again)
+        let all = &mut send[..lens.iter().sum()];
+        self.all_gather_v_bytes(Some(enc), all, &lens, DType::U8)?;
         let mut off = 0;
         for (c, &l) in chunks.iter().zip(&lens) {
             codec.decode(&all[off..off + l], &mut buf[c.clone()])?;
