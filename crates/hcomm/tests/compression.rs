@@ -126,6 +126,26 @@ fn vec_strategy() -> impl Strategy<Value = Vec<f32>> {
     )
 }
 
+/// [`vec_strategy`] with the values a kernel gets wrong: NaN, infinities, signed zeros,
+/// subnormals and the extremes of f32.
+fn special_vec_strategy() -> impl Strategy<Value = Vec<f32>> {
+    proptest::collection::vec(
+        prop_oneof![
+            8 => -1.0f32..1.0,
+            2 => -1e6f32..1e6,
+            1 => Just(f32::NAN),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(-0.0f32),
+            1 => Just(0.0f32),
+            1 => Just(f32::MIN_POSITIVE / 4.0),
+            1 => Just(f32::MAX),
+            1 => Just(f32::MIN),
+        ],
+        0..600,
+    )
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
@@ -187,6 +207,27 @@ proptest! {
             prop_assert_eq!(&enc, &want_enc);
             prop_assert_eq!(bits(&r), bits(&want_r));
         }
+    }
+
+    #[test]
+    fn int8_bytes_are_the_specifications_one_element_at_a_time(x in special_vec_strategy(), block in 1usize..300) {
+        // The wire format is shared by every rank and every version: pin it to the
+        // specification written out scalar (scale = largest |x| over 127, NaNs ignored; code =
+        // floor(x / scale + 128.5) saturated to 1..=255, minus 128), whatever the kernels do.
+        let mut want = Vec::new();
+        let mut codes = Vec::new();
+        for xb in x.chunks(block) {
+            let m = xb.iter().fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+            let s = m / 127.0;
+            want.extend_from_slice(&s.to_ne_bytes());
+            let inv = 1.0 / s;
+            codes.extend(xb.iter().map(|&v| if s == 0.0 { 0 } else { ((v * inv + 128.5) as u8).max(1) ^ 0x80 }));
+        }
+        want.extend(codes);
+        let mut codec = Int8Block::new(block).unwrap();
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        codec.encode(&x, &mut enc).unwrap();
+        prop_assert_eq!(enc, want);
     }
 
     #[test]

@@ -89,6 +89,33 @@ pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// `codes[i]` = `floor(x[i] · inv + 128.5)` clamped to `1..=255`, top bit flipped (NaN
+/// gives 1): the int8 codec's quantisation (`compress::codec::Int8Block`). Clamped in f32
+/// and converted without Rust's saturating cast, which compiles to one scalar conversion
+/// per element with range checks; this loop is vectorised (in AVX2 where the CPU has it).
+/// The same value as the saturating `((x · inv + 128.5) as u8).max(1)` for every input.
+pub(crate) fn int8_codes(x: &[f32], inv: f32, codes: &mut [u8]) {
+    assert_eq!(x.len(), codes.len(), "int8_codes: lengths differ");
+    struct Codes<'a>(&'a [f32], f32, &'a mut [u8]);
+    impl Kernel for Codes<'_> {
+        #[inline(always)]
+        fn run(self) {
+            let Codes(x, inv, codes) = self;
+            for (c, &v) in codes.iter_mut().zip(x) {
+                // `max` returns the other operand for a NaN, so `t` is finite, in [1, 255]
+                // (`clamp` would keep the NaN).
+                #[allow(clippy::manual_clamp)]
+                let t = (v * inv + 128.5).max(1.0).min(255.0);
+                // SAFETY: `t` is finite and within 1.0..=255.0 (just above), so its integer
+                // part fits in an i32: the one requirement of `to_int_unchecked`.
+                let q = unsafe { t.to_int_unchecked::<i32>() } as u8;
+                *c = q ^ 0x80;
+            }
+        }
+    }
+    run_wide(Codes(x, inv, codes))
+}
+
 #[cfg(target_arch = "x86_64")]
 mod stream {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};

@@ -13,6 +13,7 @@ use half::{bf16, f16};
 
 use super::rng::SplitMix64;
 use crate::base::error::{Error, Result};
+use crate::base::simd::{run_wide, Kernel};
 
 fn bad(msg: String) -> Error {
     Error::invalid("compress", 0, msg)
@@ -227,15 +228,33 @@ impl Codec for Half {
 }
 
 /// Largest magnitude of a block (NaN ignored; written so that it vectorises).
+/// The largest `|x[i]|`, NaNs ignored (0 for none). Sixteen running maxima, so the loop is
+/// vectorised (one running maximum is a chain of dependent compares, one element at a
+/// time); the maximum of a set does not depend on the order it is taken in, so the result
+/// is the one-at-a-time fold's.
 fn max_abs(x: &[f32]) -> f32 {
-    x.iter().fold(0f32, |m, v| {
+    #[inline(always)]
+    fn keep_larger(m: f32, v: f32) -> f32 {
         let a = v.abs();
         if a > m {
             a
         } else {
             m
         }
-    })
+    }
+    const LANES: usize = 16;
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    let mut lanes = [0f32; LANES];
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = keep_larger(*m, v);
+        }
+    }
+    lanes
+        .iter()
+        .chain(rest)
+        .fold(0f32, |m, &v| keep_larger(m, v))
 }
 
 fn block_check(name: &str, block: usize) -> Result<()> {
@@ -305,13 +324,8 @@ impl Int8Block {
         // 2^-24, inside the bound's slack.)
         let inv = 1.0 / s;
         match &mut self.rng {
-            None => {
-                for (c, &v) in codes.iter_mut().zip(xb) {
-                    // floor(t + 128.5) in 1..=255 (0 only for NaN): the code + 128.
-                    let q = ((v * inv + 128.5) as u8).max(1);
-                    *c = q ^ 0x80;
-                }
-            }
+            // floor(t + 128.5) in 1..=255 (1 for NaN): the code + 128, top bit flipped.
+            None => crate::base::simd::int8_codes(xb, inv, codes),
             Some(rng) => {
                 for (c, &v) in codes.iter_mut().zip(xb) {
                     let u = rng.next_unit_f32();
@@ -321,6 +335,34 @@ impl Int8Block {
             }
         }
         s
+    }
+}
+
+/// `residual[i] = sum[i] - (0 + code[i] · s)`: what encoding `sum` lost (a [`Kernel`], so
+/// that the i8 widening runs in AVX2 where the CPU has it; baseline SSE2 has no instruction
+/// for it).
+struct Int8Error<'a>(&'a mut [f32], &'a [f32], &'a [u8], f32);
+
+impl Kernel for Int8Error<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let Int8Error(residual, sum, codes, s) = self;
+        for ((r, &v), &c) in residual.iter_mut().zip(sum).zip(codes) {
+            *r = v - (0.0 + (c as i8) as f32 * s);
+        }
+    }
+}
+
+/// `out[i] += code[i] · s` (see [`Int8Error`] for why a [`Kernel`]).
+struct Int8AddDecoded<'a>(&'a mut [f32], &'a [u8], f32);
+
+impl Kernel for Int8AddDecoded<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let Int8AddDecoded(out, codes, s) = self;
+        for (o, &c) in out.iter_mut().zip(codes) {
+            *o += (c as i8) as f32 * s;
+        }
     }
 }
 
@@ -368,9 +410,7 @@ impl Codec for Int8Block {
             let s = self.encode_block(t, cb);
             sb.copy_from_slice(&s.to_ne_bytes());
             // the error: x + r - decoded, decoded = 0 + code * s as decode gives it
-            for ((r, &v), &c) in rb.iter_mut().zip(t.iter()).zip(cb.iter()) {
-                *r = v - (0.0 + (c as i8) as f32 * s);
-            }
+            run_wide(Int8Error(rb, t, cb, s));
         }
         Ok(())
     }
@@ -385,9 +425,7 @@ impl Codec for Int8Block {
             .zip(scales.chunks(4))
         {
             let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes"));
-            for (o, &c) in ob.iter_mut().zip(cb) {
-                *o += (c as i8) as f32 * s;
-            }
+            run_wide(Int8AddDecoded(ob, cb, s));
         }
         Ok(())
     }
