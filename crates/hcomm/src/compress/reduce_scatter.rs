@@ -166,7 +166,10 @@ impl Communicator {
         let world = self.world_size();
         // every chunk has m elements, so every encoding has the same length
         let len = codec.encoded_len(m);
-        let mut out = vec![0u8; len * world];
+        // Reused between calls, in this operation's turn (see `Communicator::scratch`); every
+        // byte is written before it is read.
+        let mut scratch = self.scratch();
+        let (out, got, _, _) = scratch.take(len * world, len * world, 0, 0);
         if m > 0 {
             for (c, enc) in out.chunks_mut(len).enumerate() {
                 let chunk = c * m..(c + 1) * m;
@@ -181,9 +184,7 @@ impl Communicator {
                 }
             }
         }
-        let mut got = vec![0u8; len * world];
-        self.all_to_all(&out, &mut got)?;
-        drop(out);
+        self.all_to_all(out, got)?;
         recv.fill(0.0);
         if m > 0 {
             for part in got.chunks(len) {
