@@ -231,6 +231,27 @@ proptest! {
     }
 
     #[test]
+    fn sign_decodes_as_the_specification_one_element_at_a_time(x in special_vec_strategy(), block in 1usize..300, to in -2.0f32..2.0) {
+        // Blocks that start a byte (block % 8 == 0) take a kernel of their own: both paths
+        // must add +s for a set bit and -s for a clear one, each element its block's scale.
+        let block = if block % 3 == 0 { block - block % 8 + 8 } else { block };
+        let mut codec = SignBlock::new(block).unwrap();
+        let mut enc = vec![0u8; codec.encoded_len(x.len())];
+        codec.encode(&x, &mut enc).unwrap();
+        let (scales, bits) = enc.split_at(4 * x.len().div_ceil(block));
+        let want: Vec<u32> = (0..x.len())
+            .map(|i| {
+                let s = f32::from_ne_bytes(scales[4 * (i / block)..][..4].try_into().unwrap());
+                let set = bits[i / 8] >> (i % 8) & 1 == 1;
+                (to + if set { s } else { -s }).to_bits()
+            })
+            .collect();
+        let mut got = vec![to; x.len()];
+        codec.decode_add(&enc, &mut got).unwrap();
+        prop_assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
+
+    #[test]
     fn int8_round_trip_is_within_its_bound(x in vec_strategy(), block in 1usize..300, sr in any::<bool>(), seed in any::<u64>()) {
         let mut codec = if sr { Int8Block::stochastic(block, seed) } else { Int8Block::new(block) }.unwrap();
         let mut enc = vec![0u8; codec.encoded_len(x.len())];

@@ -70,17 +70,28 @@ pub trait Codec {
         residual: &mut [f32],
         out: &mut [u8],
     ) -> Result<()> {
-        check_residual("encode", residual.len(), x.len())?;
-        let mut sum = vec![0f32; x.len()];
-        add_residual(&mut sum, x, residual);
-        self.encode(&sum, out)?;
-        self.decode(out, residual)?;
-        residual
-            .iter_mut()
-            .zip(&sum)
-            .for_each(|(r, &v)| *r = v - *r);
-        Ok(())
+        encode_keeping_error_in_passes(self, x, residual, out)
     }
+}
+
+/// [`Codec::encode_keeping_error`] as its definition says, one pass at a time: add, encode,
+/// decode, subtract.
+fn encode_keeping_error_in_passes<C: Codec + ?Sized>(
+    codec: &mut C,
+    x: &[f32],
+    residual: &mut [f32],
+    out: &mut [u8],
+) -> Result<()> {
+    check_residual("encode", residual.len(), x.len())?;
+    let mut sum = vec![0f32; x.len()];
+    add_residual(&mut sum, x, residual);
+    codec.encode(&sum, out)?;
+    codec.decode(out, residual)?;
+    residual
+        .iter_mut()
+        .zip(&sum)
+        .for_each(|(r, &v)| *r = v - *r);
+    Ok(())
 }
 
 /// Largest finite f16.
@@ -461,6 +472,24 @@ impl SignBlock {
     }
 }
 
+/// `out[i] += ±s`, the sign from bit `i % 8` of `bits[i / 8]` (set: `+s`), for a block that
+/// starts a byte (see [`Int8Error`] for why a [`Kernel`]).
+struct SignAddDecoded<'a>(&'a mut [f32], &'a [u8], u32);
+
+impl Kernel for SignAddDecoded<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let SignAddDecoded(out, bits, s) = self;
+        for (o8, &byte) in out.chunks_mut(8).zip(bits) {
+            for (k, o) in o8.iter_mut().enumerate() {
+                // Bit 0 flips the scale's sign bit (no branch).
+                let negative = (((byte >> k) & 1) ^ 1) as u32;
+                *o += f32::from_bits(s ^ (negative << 31));
+            }
+        }
+    }
+}
+
 impl Codec for SignBlock {
     fn encoded_len(&self, n: usize) -> usize {
         4 * n.div_ceil(self.block) + n.div_ceil(8)
@@ -483,10 +512,64 @@ impl Codec for SignBlock {
         Ok(())
     }
 
+    /// One pass per block when every block starts a byte (`x + residual` into a block-sized
+    /// scratch, its scale and sign bits, the error back into `residual`); in passes otherwise.
+    /// The same bits either way (the scale is summed as [`encode`](Codec::encode) sums it).
+    fn encode_keeping_error(
+        &mut self,
+        x: &[f32],
+        residual: &mut [f32],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let n = x.len();
+        if !self.block.is_multiple_of(8) {
+            return encode_keeping_error_in_passes(self, x, residual, out);
+        }
+        check_encoded("sign", out.len(), self.encoded_len(n), n)?;
+        check_residual("sign", residual.len(), n)?;
+        let (scales, bits) = out.split_at_mut(4 * n.div_ceil(self.block));
+        let mut sum = vec![0f32; self.block.min(n)];
+        for (((xb, rb), sb), bb) in x
+            .chunks(self.block)
+            .zip(residual.chunks_mut(self.block))
+            .zip(scales.chunks_mut(4))
+            .zip(bits.chunks_mut(self.block / 8))
+        {
+            let t = &mut sum[..xb.len()];
+            add_residual(t, xb, rb);
+            let s = t.iter().map(|v| v.abs()).sum::<f32>() / t.len() as f32;
+            sb.copy_from_slice(&s.to_ne_bytes());
+            for (t8, byte) in t.chunks(8).zip(bb.iter_mut()) {
+                *byte = t8.iter().enumerate().fold(0u8, |acc, (i, &v)| {
+                    acc | ((((v.to_bits() >> 31) ^ 1) as u8) << i)
+                });
+            }
+            // the error: t - decoded, decoded = 0 + (±s) as decode gives it (the sign bit of
+            // t is the sign of its decoded value)
+            let s = s.to_bits();
+            for (r, &v) in rb.iter_mut().zip(t.iter()) {
+                *r = v - (0.0 + f32::from_bits(s ^ (v.to_bits() & 0x8000_0000)));
+            }
+        }
+        Ok(())
+    }
+
     fn decode_add(&self, bytes: &[u8], out: &mut [f32]) -> Result<()> {
         let n = out.len();
         check_encoded("sign", bytes.len(), self.encoded_len(n), n)?;
         let (scales, bits) = bytes.split_at(4 * n.div_ceil(self.block));
+        if self.block.is_multiple_of(8) {
+            // Every block starts a byte: eight elements per byte, in a loop that vectorises.
+            for ((ob, sb), bb) in out
+                .chunks_mut(self.block)
+                .zip(scales.chunks(4))
+                .zip(bits.chunks(self.block / 8))
+            {
+                let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes")).to_bits();
+                run_wide(SignAddDecoded(ob, bb, s));
+            }
+            return Ok(());
+        }
         for (b, (ob, sb)) in out.chunks_mut(self.block).zip(scales.chunks(4)).enumerate() {
             let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes")).to_bits();
             let base = b * self.block;
