@@ -117,12 +117,13 @@ pub fn all_reduce(
 /// 64–128 KiB less; vectors under two chunks keep the two-phase ring.
 pub const PAIR_CHUNK: usize = 512 << 10;
 
-/// The 2-rank ring all-reduce, its two phases pipelined by chunks: exchange `j` sends the
-/// peer chunk `j` of its segment (this rank's contribution) and chunk `j - 1` of this rank's
-/// segment, reduced in exchange `j - 1` and still in cache; it receives the peer's chunk `j`
-/// of this rank's segment (reduced as it arrives) and the reduced chunk `j - 1` of the peer's.
-/// The same operations in the same order as the two-phase ring (bitwise its result), with
-/// the all-gather's sends read from cache instead of memory and no phase boundary.
+/// The 2-rank ring all-reduce, its two phases pipelined by chunks. Exchange `j` sends the
+/// peer this rank's contribution to chunk `j` of the peer's segment, and chunk `j - 1` of this
+/// rank's own segment, reduced in exchange `j - 1` and still in cache; it receives the peer's
+/// contribution to chunk `j` of this rank's segment (reduced with this rank's as it arrives,
+/// the peer's first, as the ring's order has it) and the peer's reduced chunk `j - 1`. The
+/// same operations in the same order as the two-phase ring (bitwise its result), with the
+/// all-gather's sends read from cache instead of memory and no phase boundary.
 fn all_reduce_pair_pipelined(
     run: &mut Run,
     input: Option<&[u8]>,
