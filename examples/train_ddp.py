@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -574,4 +575,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every rank used gloo groups (`meta` at least). torch 2.15's gloo worker threads can still be
+    # dropping a finished work's tensors when the interpreter finalizes, and that aborts the
+    # process ("terminate called without an active exception") after the run succeeded; see
+    # examples/torch_workloads.py. Everything is written and the groups destroyed: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

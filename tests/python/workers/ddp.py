@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import hcomm.torch  # noqa: F401  (registers "hcomm")
+from _gloo_exit import leave
 
 torch.set_num_threads(1)  # ranks share the cores
 
@@ -57,3 +58,4 @@ assert moved > 1e-3, "training did not change the parameters"
 print(f"ddp hcomm == gloo after 6 steps (max |diff| {worst:.2e})", flush=True)
 dist.destroy_process_group()
 print("WORKER OK", flush=True)
+leave()  # past torch's gloo teardown race (_gloo_exit.py)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hcomm.torch  # noqa: F401  (registers "hcomm")
+from _gloo_exit import leave
 
 torch.set_num_threads(1)  # ranks share the cores
 
@@ -186,3 +187,4 @@ else:
 dist.barrier()
 dist.destroy_process_group()
 print("WORKER OK", flush=True)
+leave()  # past torch's gloo teardown race (_gloo_exit.py)
