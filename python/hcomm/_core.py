@@ -635,6 +635,29 @@ class Communicator:
         self._c.skip_zeros = bool(on)
 
     @property
+    def gather_cache_budget(self) -> int:
+        """Bytes of all-gather outputs this communicator may keep between hosts (settable;
+        ``HCOMM_GATHER_CACHE_MB`` sets it at creation; by default 1/16 of the host's memory
+        shared among its ranks, at most 1 GiB). An all-gather of at least 1 MiB whose ranks span
+        hosts keeps its output, the same on every rank; a rank whose block is bitwise one it
+        sent in a kept all-gather sends a reference instead (FSDP2 gathers the same parameters
+        in forward and backward). The output is the same either way. ``0`` turns it off and
+        drops what is kept. Every rank must set the same value, in the same place of its
+        program."""
+        return self._c.gather_cache_budget
+
+    @gather_cache_budget.setter
+    def gather_cache_budget(self, nbytes: int) -> None:
+        if int(nbytes) < 0:
+            raise ValueError(f"gather_cache_budget must be >= 0 bytes, got {nbytes}")
+        self._c.gather_cache_budget = int(nbytes)
+
+    @property
+    def gather_cache_held(self) -> int:
+        """Bytes of all-gather outputs kept now (see :attr:`gather_cache_budget`)."""
+        return self._c.gather_cache_held
+
+    @property
     def accumulate(self) -> str:
         """How f16 and bf16 reductions accumulate (settable; ``HCOMM_ACCUMULATE`` sets it at
         creation): ``"f32"`` computes each element of an all-reduce, reduce-scatter or

@@ -132,6 +132,11 @@ def test_skipping_zero_blocks_between_hosts_keeps_the_dense_bits(mode):
     assert out.count("skip-zeros ok") == 2
 
 
+def test_repeated_all_gathers_between_hosts_send_references():
+    out = run_job(2, [WORKERS / "deterministic.py", "gather-cache"])
+    assert out.count("gather-cache ok") == 2
+
+
 @needs_torch
 def test_deterministic_ddp_parameters_do_not_depend_on_buckets_or_hosts():
     """The issue's acceptance check, scaled down: DDP with bucket caps 0.25, 1, 25 and 100 MiB,

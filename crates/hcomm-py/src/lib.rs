@@ -260,6 +260,26 @@ impl PyComm {
         py.detach(move || comm.set_skip_zeros(on));
     }
 
+    /// Bytes of all-gather outputs kept between hosts (`HCOMM_GATHER_CACHE_MB`): a block that
+    /// is bitwise one its rank sent in a kept all-gather goes as a reference; 0 turns it off.
+    /// Every rank must set the same value.
+    #[getter]
+    fn get_gather_cache_budget(&self) -> usize {
+        self.comm.gather_cache_budget()
+    }
+
+    #[setter]
+    fn set_gather_cache_budget(&self, py: Python<'_>, bytes: usize) {
+        let comm = self.comm.clone();
+        py.detach(move || comm.set_gather_cache_budget(bytes));
+    }
+
+    /// Bytes of all-gather outputs kept now.
+    #[getter]
+    fn gather_cache_held(&self) -> usize {
+        self.comm.gather_cache_held()
+    }
+
     /// Write a Chrome / Perfetto trace of this communicator's operations (and of those made
     /// from it afterwards) to `path`: a directory (`hcomm-trace-rank{R}.json` in it) or a
     /// file name with `{rank}` in it (`HCOMM_TRACE` does this at creation).

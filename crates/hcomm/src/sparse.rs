@@ -211,10 +211,15 @@ impl Communicator {
     ) -> Result<(Vec<i64>, Vec<u8>)> {
         let total: usize = counts.iter().sum();
         let mut all_indices = vec![0i64; total];
-        self.all_gather_v(indices, &mut all_indices, counts)?;
+        self.all_gather_v_unkept(
+            Some(bytemuck::cast_slice(indices)),
+            bytemuck::cast_slice_mut(&mut all_indices),
+            counts,
+            DType::I64,
+        )?;
         let value_counts: Vec<usize> = counts.iter().map(|c| c * row_len).collect();
         let mut all_values = vec![0u8; total * row_len * dtype.size()];
-        self.all_gather_v_bytes(Some(values), &mut all_values, &value_counts, dtype)?;
+        self.all_gather_v_unkept(Some(values), &mut all_values, &value_counts, dtype)?;
         Ok((all_indices, all_values))
     }
 

@@ -11,7 +11,12 @@ on the ring's chunks that start at rank 0).
 
 `skip-zeros` (2 ranks, each claiming a host of its own; `skip-zeros-off` with
 HCOMM_SKIP_ZEROS=0 set by the test): the all-reduce of a mostly-zero vector gives the dense
-all-reduce's bits with comm.skip_zeros on, and moves less than a quarter of its bytes."""
+all-reduce's bits with comm.skip_zeros on, and moves less than a quarter of its bytes.
+
+`gather-cache` (2 ranks, each claiming a host of its own): an all-gather repeated from the same
+blocks gives the same output and moves almost nothing; comm.gather_cache_budget is on by
+default, settable, refuses a negative size, and 0 drops what is kept (the next repeat moves
+every byte again)."""
 
 import os
 import sys
@@ -21,8 +26,8 @@ import numpy as np
 import hcomm
 
 mode = sys.argv[1]
-if mode.startswith("skip-zeros"):
-    # each rank claims a host of its own: the all-reduce crosses "hosts" over TCP
+if mode.startswith("skip-zeros") or mode == "gather-cache":
+    # each rank claims a host of its own: the collective crosses "hosts" over TCP
     os.environ["HCOMM_HOST_ID"] = f"host{os.environ['RANK']}"
 comm = hcomm.Communicator.from_env()
 if mode.startswith("skip-zeros"):
@@ -49,6 +54,34 @@ if mode.startswith("skip-zeros"):
     assert dense_bytes >= x.nbytes, dense_bytes
     assert skip_bytes * 4 < dense_bytes, f"rank {r}: {skip_bytes} bytes against the dense {dense_bytes}"
     print(f"skip-zeros ok: {skip_bytes} bytes against {dense_bytes}", flush=True)
+    print("WORKER OK", flush=True)
+    sys.exit(0)
+if mode == "gather-cache":
+    r = comm.rank
+    assert comm.gather_cache_budget > 0 and comm.gather_cache_held == 0, comm.gather_cache_budget
+    x = np.random.default_rng(r).standard_normal((1024, 256)).astype(np.float32)  # 1 MiB per rank
+
+    def gathered():
+        before = sum(t.tcp_sent for t in comm.traffic())
+        out = comm.all_gather(x, dim=0)
+        return out, sum(t.tcp_sent for t in comm.traffic()) - before
+
+    want = np.concatenate([np.random.default_rng(q).standard_normal((1024, 256)).astype(np.float32) for q in range(2)])
+    first, first_bytes = gathered()
+    again, again_bytes = gathered()
+    assert first.tobytes() == want.tobytes() and again.tobytes() == want.tobytes(), f"rank {r}: wrong all-gather"
+    assert first_bytes >= x.nbytes and again_bytes * 100 < first_bytes, (first_bytes, again_bytes)
+    assert comm.gather_cache_held == 2 * x.nbytes, comm.gather_cache_held
+    try:
+        comm.gather_cache_budget = -1
+        raise AssertionError("a negative budget was taken")
+    except ValueError as e:
+        assert "gather_cache_budget" in str(e), e
+    comm.gather_cache_budget = 0
+    assert comm.gather_cache_held == 0
+    off, off_bytes = gathered()
+    assert off.tobytes() == want.tobytes() and off_bytes >= x.nbytes, off_bytes
+    print(f"gather-cache ok: {again_bytes} bytes for the repeat against {first_bytes}", flush=True)
     print("WORKER OK", flush=True)
     sys.exit(0)
 if mode.startswith("accumulate"):

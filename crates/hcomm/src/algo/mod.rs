@@ -14,6 +14,7 @@
 pub mod agree;
 pub mod basic;
 pub mod canonical;
+pub mod gather_cache;
 pub mod ring;
 pub mod select;
 pub mod skip_zeros;

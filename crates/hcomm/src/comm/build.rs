@@ -296,6 +296,7 @@ impl Communicator {
                 traffic: TrafficTable::default(),
                 trace,
                 span: None,
+                gather_cache: Default::default(),
             }),
             tracing,
             trace_label: Mutex::new(None),
@@ -313,6 +314,11 @@ impl Communicator {
             deterministic: AtomicBool::new(tuning.deterministic),
             accumulate_f32: AtomicBool::new(tuning.accumulate_f32),
             skip_zeros: AtomicBool::new(tuning.skip_zeros),
+            gather_cache_budget: std::sync::atomic::AtomicUsize::new(
+                tuning
+                    .gather_cache_mb
+                    .map_or_else(|| default_gather_cache_bytes(local_size), |mb| mb << 20),
+            ),
             scratch: Mutex::new(Default::default()),
             tuning,
             token,
@@ -366,4 +372,18 @@ pub(super) fn open_trace(tuning: &Tuning, rank: usize) -> Result<Option<Arc<Trac
 /// The name of a communicator's track in a trace.
 pub(super) fn track_name(comm_id: &str, rank: usize, size: usize) -> String {
     format!("{comm_id} (rank {rank} of {size})")
+}
+
+/// The default of `HCOMM_GATHER_CACHE_MB`: 1/16 of the host's memory shared among its
+/// `local_size` ranks, at most 1 GiB (64 MiB when the memory is unknown).
+fn default_gather_cache_bytes(local_size: usize) -> usize {
+    use nix::unistd::{sysconf, SysconfVar};
+    let pages = sysconf(SysconfVar::_PHYS_PAGES).ok().flatten();
+    let page = sysconf(SysconfVar::PAGE_SIZE).ok().flatten();
+    let memory = match (pages, page) {
+        (Some(n), Some(p)) if n > 0 && p > 0 => (n as u64).saturating_mul(p as u64),
+        _ => return 64 << 20,
+    };
+    let share = memory / 16 / local_size.max(1) as u64;
+    usize::try_from(share.min(1 << 30)).unwrap_or(1 << 30)
 }

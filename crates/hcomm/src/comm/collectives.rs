@@ -4,7 +4,7 @@
 //! Conventions (NCCL's): counts are in elements; out-of-place forms never modify the input;
 //! on non-root ranks the root-only buffers of rooted operations may be empty.
 
-use crate::algo::{basic, canonical, ring, skip_zeros, tree};
+use crate::algo::{basic, canonical, gather_cache, ring, skip_zeros, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
 use crate::base::reduce::finalize_mean;
@@ -343,9 +343,24 @@ impl Communicator {
         counts: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        self.all_gather_v_inner(send, recv, counts, dtype, true)
+        self.all_gather_v_inner(send, recv, counts, dtype, true, true)
     }
 
+    /// [`all_gather_v_bytes`](Self::all_gather_v_bytes) for hcomm's own exchanges of data that
+    /// does not repeat (compressed codes, sparse rows): never kept
+    /// ([`crate::algo::gather_cache`]).
+    pub(crate) fn all_gather_v_unkept(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        self.all_gather_v_inner(send, recv, counts, dtype, true, false)
+    }
+
+    /// The all-gather(v): `inject` applies the fault-injection test hook to the output;
+    /// `keepable` lets it keep outputs between hosts ([`crate::algo::gather_cache`]).
     pub(crate) fn all_gather_v_inner(
         &self,
         send: Option<&[u8]>,
@@ -353,6 +368,7 @@ impl Communicator {
         counts: &[usize],
         dtype: DType,
         inject: bool,
+        keepable: bool,
     ) -> Result<()> {
         const OP: &str = "all_gather";
         let n = self.world_size();
@@ -389,6 +405,8 @@ impl Communicator {
         let uniform = counts.iter().all(|&c| c == counts[0]);
         let fp_count = if uniform { counts[0] } else { total };
         let segs = count_segments(counts, dtype.size());
+        let cached = keepable && self.caches_gathers_for(recv.len());
+        let budget = self.gather_cache_budget();
         self.collective(
             Collective::AllGather,
             Some(dtype),
@@ -406,7 +424,21 @@ impl Communicator {
                 if let Some(s) = send {
                     recv[segs[me].clone()].copy_from_slice(s);
                 }
-                if n > 1 {
+                if cached && run.gather_cache.active() {
+                    // Across hosts: blocks repeated from a kept all-gather go as references.
+                    run.run.fp.algo = crate::wire::collective::GATHER_CACHE_CODE;
+                    gather_cache::all_gather(
+                        &mut run.run,
+                        &mut *run.gather_cache,
+                        budget,
+                        recv,
+                        &segs,
+                    )?;
+                    run.ran = Some("gather-cache");
+                } else if n > 1 {
+                    if cached {
+                        run.gather_cache.passed(recv.len());
+                    }
                     ring::all_gather_in_place(run, recv, &segs, 0)?;
                 }
                 Ok(())

@@ -33,6 +33,7 @@ impl Communicator {
             &counts,
             DType::I64,
             false,
+            false,
         )?;
         let split_no = {
             let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());

@@ -74,6 +74,8 @@ pub(crate) struct Call<'a> {
     /// What the trace names as the algorithm when the body ran another schedule than the
     /// chosen one (the zero-skipping exchange).
     pub ran: Option<&'static str>,
+    /// The all-gathers this communicator keeps ([`crate::algo::gather_cache`]).
+    pub gather_cache: &'a mut crate::algo::gather_cache::GatherCache,
 }
 
 impl<'a> std::ops::Deref for Call<'a> {
@@ -141,6 +143,8 @@ pub(crate) struct Inner {
     trace: Option<Track>,
     /// The operation in progress, while tracing.
     span: Option<Span>,
+    /// The all-gathers kept between hosts ([`crate::algo::gather_cache`]).
+    gather_cache: crate::algo::gather_cache::GatherCache,
 }
 
 impl Inner {
@@ -242,6 +246,8 @@ pub struct Communicator {
     accumulate_f32: AtomicBool,
     /// Two-rank all-reduces across hosts skip zero blocks ([`Communicator::set_skip_zeros`]).
     skip_zeros: AtomicBool,
+    /// Bytes of all-gather outputs kept between hosts ([`Communicator::set_gather_cache_budget`]).
+    gather_cache_budget: std::sync::atomic::AtomicUsize,
     /// Buffers the compressed all-reduce reuses between calls (taken in the operation's
     /// turn; see [`crate::base::scratch`]).
     scratch: Mutex<crate::base::scratch::Scratch>,
@@ -561,6 +567,47 @@ impl Communicator {
     /// ([`set_skip_zeros`](Self::set_skip_zeros)).
     pub fn skips_zeros(&self) -> bool {
         self.skip_zeros.load(Ordering::Relaxed)
+    }
+
+    /// Keep up to `bytes` of all-gather outputs between hosts (`HCOMM_GATHER_CACHE_MB`; 0 turns
+    /// it off and drops what is kept; sub-communicators made later start from the knob's
+    /// value). On, an all-gather of at least
+    /// [`gather_cache::MIN_BYTES`](crate::algo::gather_cache::MIN_BYTES) whose ranks span
+    /// hosts sends, for a block that is bitwise one its rank sent in a kept all-gather, a
+    /// reference instead ([`crate::algo::gather_cache`]); the output is the same. The ranks use
+    /// the smallest budget among them. Every rank must make the same call (on or off), in issue
+    /// order.
+    pub fn set_gather_cache_budget(&self, bytes: usize) {
+        let _turn = self.engine.turns.enter();
+        self.gather_cache_budget.store(bytes, Ordering::Relaxed);
+        if bytes == 0 {
+            if let Ok(mut inner) = self.inner.lock() {
+                inner.gather_cache.clear();
+            }
+        }
+    }
+
+    /// The bytes of all-gather outputs this communicator may keep
+    /// ([`set_gather_cache_budget`](Self::set_gather_cache_budget)).
+    pub fn gather_cache_budget(&self) -> usize {
+        self.gather_cache_budget.load(Ordering::Relaxed)
+    }
+
+    /// The bytes of all-gather outputs this communicator keeps now.
+    pub fn gather_cache_held(&self) -> usize {
+        self.inner
+            .lock()
+            .map_or(0, |inner| inner.gather_cache.held())
+    }
+
+    /// Whether an all-gather of `bytes` keeps its output and skips repeated blocks: a budget,
+    /// ranks on more than one host, at least
+    /// [`gather_cache::MIN_BYTES`](crate::algo::gather_cache::MIN_BYTES).
+    pub(crate) fn caches_gathers_for(&self, bytes: usize) -> bool {
+        self.gather_cache_budget() > 0
+            && self.size > 1
+            && bytes >= crate::algo::gather_cache::MIN_BYTES
+            && self.host_ids().iter().any(|h| *h != self.host_ids()[0])
     }
 
     /// Whether an all-reduce (or reduce-scatter) of `bytes` with `op` skips zero blocks here: on, two ranks on
@@ -1078,6 +1125,7 @@ impl Communicator {
                 fp_extra: 0,
                 canonical,
                 ran: None,
+                gather_cache: &mut inner.gather_cache,
             };
             let result = body(&mut call, algo);
             if let (Some(ran), Some(span)) = (call.ran, inner.span.as_mut()) {

@@ -774,7 +774,8 @@ impl Communicator {
                     buf.fill(0.0);
                 }
                 let mut all = vec![0u8; len * self.world_size()];
-                self.all_gather(&enc, &mut all)?;
+                let lens = vec![len; self.world_size()];
+                self.all_gather_v_unkept(Some(&enc), &mut all, &lens, DType::U8)?;
                 let divisor = (op == ReduceOp::Mean).then_some(self.world_size() as f32);
                 return TopK::sum_parts(&all, len, buf, divisor);
             }
@@ -891,7 +892,7 @@ impl Communicator {
         }
         // (the all-to-all's send buffer is free again)
         let all = &mut send[..lens.iter().sum()];
-        self.all_gather_v_bytes(Some(enc), all, &lens, DType::U8)?;
+        self.all_gather_v_unkept(Some(enc), all, &lens, DType::U8)?;
         let mut off = 0;
         for (c, &l) in chunks.iter().zip(&lens) {
             codec.decode(&all[off..off + l], &mut buf[c.clone()])?;

@@ -166,6 +166,18 @@ pub const SKIP_ZEROS: Knob = Knob {
     doc: "`1`: sum and mean all-reduces of two ranks on different hosts (and the cross-host step of the hierarchical all-reduce on two hosts), and sum and mean reduce-scatters of two ranks on different hosts (FSDP's gradients), send only the 1 KiB blocks that are not all zero bits, with the dense result's bits; `0`: always dense",
 };
 
+/// `HCOMM_GATHER_CACHE_MB`.
+pub const GATHER_CACHE_MB: Knob = Knob {
+    var: "HCOMM_GATHER_CACHE_MB",
+    accepts: Accepts::Number {
+        unit: "MiB",
+        range: 0..=(1 << 20),
+        or_zero: true,
+    },
+    default: KnobDefault::Described("1/16 of the host's memory shared among its ranks, at most `1024`"),
+    doc: "All-gathers of at least 1 MiB whose ranks span hosts keep their outputs (the same on every rank) up to this many MiB; a rank whose block is bitwise one it sent in a kept all-gather sends a reference instead (FSDP2 gathers the same parameters in forward and backward); `0`: off",
+};
+
 /// `HCOMM_TRACE`.
 pub const TRACE: Knob = Knob {
     var: "HCOMM_TRACE",
@@ -175,7 +187,7 @@ pub const TRACE: Knob = Knob {
 };
 
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 11] = [
+pub const KNOBS: [&Knob; 12] = [
     &SPIN_US,
     &CPUS,
     &SHM_CHUNK,
@@ -186,6 +198,7 @@ pub const KNOBS: [&Knob; 11] = [
     &DETERMINISTIC,
     &ACCUMULATE,
     &SKIP_ZEROS,
+    &GATHER_CACHE_MB,
     &TRACE,
 ];
 
@@ -317,6 +330,10 @@ pub struct Tuning {
     /// `HCOMM_SKIP_ZEROS` (default on): two-rank all-reduces across hosts skip zero blocks
     /// ([`crate::algo::skip_zeros`]).
     pub skip_zeros: bool,
+    /// `HCOMM_GATHER_CACHE_MB`: MiB of all-gather outputs kept between hosts
+    /// ([`crate::algo::gather_cache`]); `None` for the default, which depends on the host's
+    /// memory and ranks.
+    pub gather_cache_mb: Option<usize>,
     /// `HCOMM_TRACE`: where the world communicator writes its trace ([`crate::trace`]).
     pub trace: Option<String>,
 }
@@ -335,6 +352,7 @@ impl Default for Tuning {
             deterministic: false,
             accumulate_f32: false,
             skip_zeros: true,
+            gather_cache_mb: None,
             trace: None,
         }
     }
@@ -424,6 +442,7 @@ impl Tuning {
             deterministic,
             accumulate_f32,
             skip_zeros,
+            gather_cache_mb: GATHER_CACHE_MB.number(&vars)?,
             trace: vars.get(TRACE.var),
         })
     }

@@ -220,6 +220,11 @@ impl Collective {
 /// one can force): ranks that disagree on skipping zeros fail with a mismatch that names it.
 pub const SKIP_ZEROS_CODE: u8 = 11;
 
+/// The fingerprint's algorithm code of the all-gather that sends repeated blocks as references
+/// to kept calls (`crate::algo::gather_cache`): ranks that disagree on keeping all-gathers fail
+/// with a mismatch that names it.
+pub const GATHER_CACHE_CODE: u8 = 12;
+
 /// Human-readable description of a frame's call, for mismatch errors.
 pub fn describe_frame(h: &Header) -> String {
     match h.kind {
@@ -239,6 +244,8 @@ pub fn describe_frame(h: &Header) -> String {
             }
             if h.algo == SKIP_ZEROS_CODE {
                 s += ", algo=skip-zeros";
+            } else if h.algo == GATHER_CACHE_CODE {
+                s += ", algo=gather-cache";
             } else if let Some(a) = Algo::from_code(h.algo).filter(|a| *a != Algo::Auto) {
                 s += &format!(", algo={a}");
             }
