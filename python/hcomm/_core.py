@@ -637,8 +637,8 @@ class Communicator:
     @property
     def gather_cache_budget(self) -> int:
         """Bytes of all-gather outputs this communicator may keep between hosts (settable;
-        ``HCOMM_GATHER_CACHE_MB`` sets it at creation; by default 1/16 of the host's memory
-        shared among its ranks, at most 1 GiB). An all-gather of at least 1 MiB whose ranks span
+        ``HCOMM_GATHER_CACHE_MB`` sets it at creation; by default 1/64 of the host's memory
+        shared among its ranks, at most 256 MiB). An all-gather of at least 1 MiB whose ranks span
         hosts keeps its output, the same on every rank; a rank whose block is bitwise one it
         sent in a kept all-gather sends a reference instead (FSDP2 gathers the same parameters
         in forward and backward). The output is the same either way. ``0`` turns it off and

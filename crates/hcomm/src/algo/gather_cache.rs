@@ -68,8 +68,10 @@ struct Kept {
 #[derive(Default)]
 pub struct GatherCache {
     kept: VecDeque<Kept>,
+    /// The memory of the kept outputs (their buffers' capacities).
     held: usize,
-    /// A buffer of a call that left, reused for the next one kept.
+    /// The buffer of the call that left last, reused for the next one kept if it has exactly
+    /// the size that one needs.
     spare: Option<Vec<u8>>,
     /// Bytes kept since the last call with a repeated block.
     fruitless: usize,
@@ -78,7 +80,7 @@ pub struct GatherCache {
 }
 
 impl GatherCache {
-    /// Bytes held by the kept outputs.
+    /// Bytes of memory the kept outputs hold (their buffers' capacities).
     pub fn held(&self) -> usize {
         self.held
     }
@@ -125,28 +127,28 @@ impl GatherCache {
             let Some(old) = self.kept.pop_front() else {
                 break;
             };
-            self.held -= old.data.len();
-            if self
-                .spare
-                .as_ref()
-                .is_none_or(|s| s.capacity() < old.data.capacity())
-            {
-                self.spare = Some(old.data);
-            }
+            self.held -= old.data.capacity();
+            self.spare = Some(old.data);
         }
     }
 
-    /// Keep `buf` (the output of call `seq`, blocks at `segs`) within `budget` bytes.
+    /// Keep `buf` (the output of call `seq`, blocks at `segs`) within `budget` bytes of memory.
     fn keep(&mut self, seq: u64, segs: &[Range<usize>], buf: &[u8], budget: usize) {
         if buf.len() > budget || buf.is_empty() {
             self.shrink_to(budget);
             return;
         }
         self.shrink_to(budget - buf.len());
-        let mut data = self.spare.take().unwrap_or_default();
+        // The buffer of the call that left last, if it is the size of this one (FSDP2's layers
+        // repeat their sizes); otherwise a new one of exactly this size, so that what is held
+        // is what the budget counts.
+        let mut data = match self.spare.take() {
+            Some(s) if s.capacity() == buf.len() => s,
+            _ => Vec::with_capacity(buf.len()),
+        };
         data.clear();
         data.extend_from_slice(buf);
-        self.held += data.len();
+        self.held += data.capacity();
         self.kept.push_back(Kept {
             seq,
             segs: segs.to_vec(),
@@ -293,6 +295,18 @@ mod tests {
         assert!(c.get(3).is_none() && c.get(4).is_some());
         c.clear();
         assert_eq!((c.held(), c.find(0, &[4; 5])), (0, None));
+    }
+
+    #[test]
+    fn what_is_held_is_the_memory_and_a_small_output_takes_no_large_buffer() {
+        let mut c = GatherCache::default();
+        c.keep(1, &segs(2, 50), &[1; 100], 100);
+        c.keep(2, &segs(2, 2), &[2; 4], 100);
+        // call 1 left to make room, its 100-byte buffer is not reused for 4 bytes
+        assert_eq!(c.held(), 4);
+        c.keep(3, &segs(2, 48), &[3; 96], 100);
+        assert_eq!(c.held(), 100);
+        assert!(c.kept.iter().all(|k| k.data.capacity() == k.data.len()));
     }
 
     #[test]

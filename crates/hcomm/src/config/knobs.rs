@@ -174,7 +174,7 @@ pub const GATHER_CACHE_MB: Knob = Knob {
         range: 0..=(1 << 20),
         or_zero: true,
     },
-    default: KnobDefault::Described("1/16 of the host's memory shared among its ranks, at most `1024`"),
+    default: KnobDefault::Described("1/64 of the host's memory shared among its ranks, at most `256`, per communicator"),
     doc: "All-gathers of at least 1 MiB whose ranks span hosts keep their outputs (the same on every rank) up to this many MiB; a rank whose block is bitwise one it sent in a kept all-gather sends a reference instead (FSDP2 gathers the same parameters in forward and backward); `0`: off",
 };
 
