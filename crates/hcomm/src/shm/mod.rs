@@ -52,6 +52,8 @@ const ABORT_WORD: usize = 16;
 /// rank for the first [`CPU_SLOTS`] ranks (see `wait_rank`). Written only when it changes.
 const CPU_AT: usize = 32;
 const CPU_SLOTS: usize = (HEADER - CPU_AT) / 4;
+// `wait_all_oversubscribed` keeps a bit per slot in a `u32`.
+const _: () = assert!(CPU_SLOTS <= 32);
 const LINE: usize = 256;
 /// Messages up to this size use the one-shot slot path.
 pub const SMALL: usize = 4096;
@@ -181,6 +183,9 @@ pub struct ShmGroup {
     read: u64,
     /// Waits that skipped the spin because the peer shared this rank's CPU (see `wait_rank`).
     spins_skipped: std::cell::Cell<u64>,
+    /// Waits (ranks outnumbering cores) that began polling without yielding because the peer
+    /// last waited on another CPU (see `wait_all_oversubscribed`).
+    polled_elsewhere: std::cell::Cell<u64>,
     /// Waits that slept (after their spin, or skipping it).
     sleeps: std::cell::Cell<u64>,
     /// The spin window, learned from the waits that slept (not when yielding).
@@ -260,6 +265,7 @@ impl ShmGroup {
             written: 0,
             read: 0,
             spins_skipped: std::cell::Cell::new(0),
+            polled_elsewhere: std::cell::Cell::new(0),
             sleeps: std::cell::Cell::new(0),
             spin: std::cell::Cell::new(LearnedSpin::new(policy.spin)),
         }
@@ -269,6 +275,12 @@ impl ShmGroup {
     /// this rank's CPU (the pair shares a core: spinning would only delay it).
     pub fn spins_skipped(&self) -> u64 {
         self.spins_skipped.get()
+    }
+
+    /// Waits that polled without yielding first because ranks outnumber the cores and the
+    /// peer last waited on another CPU.
+    pub fn polled_elsewhere(&self) -> u64 {
+        self.polled_elsewhere.get()
     }
 
     /// Waits so far that slept in the kernel (after spinning, or skipping the spin).
@@ -399,25 +411,45 @@ impl ShmGroup {
         Some(reason.remote_error(w.ctx.clone(), reporter, culprit))
     }
 
-    /// Publish the CPU this rank runs on (it is about to wait), and say whether rank `p`
-    /// last waited on the same one.
-    fn publish_cpu(&self, p: usize) -> bool {
-        if self.rank >= CPU_SLOTS || p >= CPU_SLOTS {
-            return false;
+    /// Publish the CPU this rank runs on (it is about to wait) and return it (plus one), or
+    /// `None` when this rank has no slot or the CPU is unknown.
+    fn publish_my_cpu(&self) -> Option<u32> {
+        if self.rank >= CPU_SLOTS {
+            return None;
         }
-        let Ok(cpu) = nix::sched::sched_getcpu() else {
-            return false;
-        };
-        let mine = cpu as u32 + 1;
+        let mine = nix::sched::sched_getcpu().ok()? as u32 + 1;
         let slot = self.seg.atomic_u32(CPU_AT + 4 * self.rank);
         if slot.load(Ordering::Relaxed) != mine {
             slot.store(mine, Ordering::Relaxed);
         }
-        self.seg.atomic_u32(CPU_AT + 4 * p).load(Ordering::Relaxed) == mine
+        Some(mine)
     }
 
-    /// Wait until rank `p` has arrived `target` times.
-    fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx) -> Result<()> {
+    /// The CPU rank `p` last waited on (plus one), if known.
+    fn cpu_of(&self, p: usize) -> Option<u32> {
+        if p >= CPU_SLOTS {
+            return None;
+        }
+        Some(self.seg.atomic_u32(CPU_AT + 4 * p).load(Ordering::Relaxed)).filter(|&c| c != 0)
+    }
+
+    /// Publish the CPU this rank runs on (it is about to wait), and say whether rank `p`
+    /// last waited on the same one.
+    fn publish_cpu(&self, p: usize) -> bool {
+        if p >= CPU_SLOTS {
+            return false;
+        }
+        let Some(mine) = self.publish_my_cpu() else {
+            return false;
+        };
+        self.cpu_of(p) == Some(mine)
+    }
+
+    /// Wait until rank `p` has arrived `target` times. `elsewhere`: ranks outnumber the cores,
+    /// and `p` last waited on another CPU than this rank's (see
+    /// [`wait_all_oversubscribed`](Self::wait_all_oversubscribed)): poll without yielding
+    /// for the first half of the window.
+    fn wait_rank(&self, p: usize, target: u32, w: &WaitCtx, elsewhere: bool) -> Result<()> {
         // Arrival `target` is written to the line of its parity, which holds `target - 2`
         // until then (p cannot arrive at `target + 2` before this rank arrived at
         // `target + 1`).
@@ -445,13 +477,17 @@ impl ShmGroup {
         if skip {
             self.spins_skipped.set(self.spins_skipped.get() + 1);
         }
+        if elsewhere && self.policy.yield_cpu {
+            self.polled_elsewhere.set(self.polled_elsewhere.get() + 1);
+        }
         let mut start = None;
+        let mut yielding = self.policy.yield_cpu && !elsewhere;
         'busy: loop {
             if skip {
                 break 'busy;
             }
             for _ in 0..64 {
-                if self.policy.yield_cpu {
+                if yielding {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -461,9 +497,13 @@ impl ShmGroup {
                 }
             }
             let now = Instant::now();
-            if now.duration_since(*start.get_or_insert(now)) >= window {
+            let waited = now.duration_since(*start.get_or_insert(now));
+            if waited >= window {
                 break 'busy;
             }
+            // A peer believed to run on another CPU that has not arrived within half the
+            // window may be waiting for this one (the belief is stale): yield from now on.
+            yielding |= self.policy.yield_cpu && waited >= window / 2;
         }
         // Sleep on the peer's counter, checking the deadline, abort and the peer's life. The
         // operation's deadline counts from its first sleep if nothing read it before.
@@ -531,10 +571,43 @@ impl ShmGroup {
 
     fn arrive_and_wait_all(&mut self, w: &WaitCtx) -> Result<()> {
         let t = self.arrive();
+        if self.policy.yield_cpu {
+            return self.wait_all_oversubscribed(t, w);
+        }
         for p in 0..self.size() {
             if p != self.rank {
-                self.wait_rank(p, t, w)?;
+                self.wait_rank(p, t, w, false)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Wait for every peer's arrival `t` when ranks outnumber the cores. Yielding to a peer
+    /// that runs on another CPU only hands this CPU to a rank that is itself waiting, and
+    /// every hand-off is a context switch (1-2 µs on a VM); so this rank first waits for the
+    /// peers that last waited on its own CPU (or on an unknown one), yielding to them, and
+    /// then for the others, polling without yielding for the first half of the window. Once
+    /// the peers of its CPU have arrived, the others' progress no longer needs this CPU; a
+    /// belief gone stale (the scheduler moved a peer here) costs half a window, then it
+    /// yields. Measured on 4 ranks on 2 cores: fewer switches per call (design.md).
+    fn wait_all_oversubscribed(&self, t: u32, w: &WaitCtx) -> Result<()> {
+        let n = self.size();
+        let mine = self.publish_my_cpu();
+        // Peers believed elsewhere, decided once (a bit per rank below `CPU_SLOTS`).
+        let mut elsewhere = 0u32;
+        if let Some(mine) = mine {
+            for p in (0..n.min(CPU_SLOTS)).filter(|&p| p != self.rank) {
+                if self.cpu_of(p).is_some_and(|c| c != mine) {
+                    elsewhere |= 1 << p;
+                }
+            }
+        }
+        let away = |p: usize| p < CPU_SLOTS && elsewhere & (1 << p) != 0;
+        for p in (0..n).filter(|&p| p != self.rank && !away(p)) {
+            self.wait_rank(p, t, w, false)?;
+        }
+        for p in (0..n).filter(|&p| away(p)) {
+            self.wait_rank(p, t, w, true)?;
         }
         Ok(())
     }
@@ -1255,7 +1328,7 @@ mod cpu_tests {
                     }
                     let before = g.sleeps();
                     let t = g.arrive();
-                    g.wait_rank(peer, t, &w).unwrap();
+                    g.wait_rank(peer, t, &w, false).unwrap();
                     slept.push(g.sleeps() > before);
                 }
                 (g.spins_skipped(), slept)
@@ -1323,6 +1396,82 @@ mod cpu_tests {
             let apart = ping_pong("apart", [cpus[0], other], 200, 200, 0, Duration::ZERO)
                 .map(|(skipped, _)| skipped);
             assert_eq!(apart, [0, 0], "a pair on two CPUs must keep spinning");
+        }
+    }
+
+    /// Four ranks (threads) of a group that outnumbers 2 cores, rank `r` pinned to
+    /// `cpus[r]`, arrive and wait for all `calls` times; with `stale`, each rank then writes
+    /// a CPU that does not exist into its slot, so that peers believe it runs elsewhere when
+    /// it does not. Returns per rank the waits that polled without yielding first.
+    fn four_on_two(tag: &str, cpus: [usize; 4], calls: usize, stale: bool) -> Vec<u64> {
+        let name = format!("/hcomm-cpu-4-{tag}-{}", std::process::id());
+        let layout = Layout {
+            size: 4,
+            chunk: 1 << 16,
+        };
+        let policy = WaitPolicy::for_local_ranks(4, None, Some(2));
+        assert!(policy.yield_cpu);
+        let abort = Arc::new(AtomicBool::new(false));
+        let mut groups = vec![ShmGroup::create(&name, layout, 0, policy, abort.clone()).unwrap()];
+        for r in 1..4 {
+            groups.push(ShmGroup::attach(&name, layout, r, policy, abort.clone()).unwrap());
+        }
+        groups[0].unlink().unwrap();
+        let threads: Vec<_> = groups
+            .into_iter()
+            .zip(cpus)
+            .map(|(mut g, cpu)| {
+                std::thread::spawn(move || {
+                    on_cpu(cpu, move || {
+                        let ctx = OpContext::default();
+                        let w = WaitCtx {
+                            ctx: &ctx,
+                            deadline: Deadline::fixed(Instant::now(), Duration::from_secs(60)),
+                        };
+                        for call in 0..calls {
+                            if call % 50 == g.rank {
+                                // a late rank now and then: every wait path is taken
+                                std::thread::sleep(Duration::from_micros(300));
+                            }
+                            let t = g.arrive();
+                            g.wait_all_oversubscribed(t, &w).unwrap();
+                            if stale {
+                                g.seg
+                                    .atomic_u32(CPU_AT + 4 * g.rank)
+                                    .store(100_000 + g.rank as u32, Ordering::Relaxed);
+                            }
+                        }
+                        g.polled_elsewhere()
+                    })
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn oversubscribed_ranks_yield_to_their_own_cpus_peers_and_poll_for_the_others() {
+        // Every run must finish every call (the deadline is 60 s); what is checked is which
+        // waits polled without yielding, never how long anything took.
+        let cpus = allowed();
+        let c0 = cpus[0];
+        // All four on one CPU: every peer waited here, none is polled for.
+        let one = four_on_two("one", [c0; 4], 300, false);
+        assert_eq!(one, [0; 4], "peers on this very CPU must be yielded to");
+        // Peers that claim another CPU while they share this one (a stale belief): the waits
+        // poll for them, then yield after half the window, and every call still completes.
+        let stale = four_on_two("stale", [c0; 4], 300, true);
+        assert!(
+            stale.iter().all(|&p| p > 0),
+            "stale beliefs were never acted on: {stale:?}"
+        );
+        if let Some(&c1) = cpus.get(1) {
+            // Two per CPU: each rank polls for the two peers of the other CPU.
+            let apart = four_on_two("apart", [c0, c1, c0, c1], 300, false);
+            assert!(
+                apart.iter().all(|&p| p > 0),
+                "peers on the other CPU were never polled for: {apart:?}"
+            );
         }
     }
 }
