@@ -37,9 +37,10 @@ Modes (every one trains the same model from the same seed on the same per-rank b
                FSDP2 (fully_shard on each encoder layer, then the root) on the "hcomm"
                backend and on gloo
   fsdp2-hcomm-prefetch, fsdp2-gloo-prefetch
-               the same with hcomm.torch.overlap_fsdp(model): asynchronous all-gathers and
+               the same with hcomm.torch.overlap_fsdp(model): asynchronous all-gathers,
                explicit prefetching (the next layer's all-gather runs while this layer
-               computes; FSDP2's own overlap works through CUDA streams)
+               computes) and reduce-scatters left running while backward goes on,
+               awaited when it ends (FSDP2's own overlap works through CUDA streams)
   ddp-hcomm:C  ddp-hcomm with one more line, the compression hook:
                ddp.register_comm_hook(hcomm.torch.CompressionHookState(C), compression_hook)
   fsdp2-hcomm:C, fsdp2-hcomm-prefetch:C
@@ -253,7 +254,15 @@ class Trainer:
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = DeviceMesh.from_group(gloo if self.base in GLOO_MODES else dist.group.WORLD, "cpu")
+            group = gloo
+            if self.base not in GLOO_MODES:
+                # a group of the mode's own: hcomm keeps all-gather outputs per communicator
+                # (the gather cache), and the modes train bitwise the same parameters with
+                # their steps interleaved, so on one shared group a mode's all-gathers would
+                # find the shards another mode just sent and send references instead
+                group = dist.new_group(list(range(dist.get_world_size())))
+                self.comm = hcomm.torch.communicator_of(group)
+            mesh = DeviceMesh.from_group(group, "cpu")
             layers = list(self.model.encoder.layers)
             for layer in layers:
                 fully_shard(layer, mesh=mesh)
@@ -262,7 +271,8 @@ class Trainer:
                 # FSDP2 issues its all-gathers with async_op=False and overlaps them through
                 # CUDA streams; on CPU each one blocks the training thread. overlap_fsdp makes
                 # the unshards asynchronous and each layer prefetch its neighbour's all-gather
-                # (the next in forward, the previous in backward), on any backend.
+                # (the next in forward, the previous in backward), and leaves each layer's
+                # gradient reduce-scatter running until backward ends, on any backend.
                 hcomm.torch.overlap_fsdp(self.model)
             if compressor:  # one line: FSDP2's reduce-scatters compressed by hcomm
                 hcomm.torch.compress_fsdp(self.model, compressor)
@@ -448,6 +458,8 @@ class Trainer:
             "csum": [float(flat.double().sum()), float(flat.double().abs().sum())],
             "buckets": self.buckets,
             "eval_acc": self.eval_acc,
+            # FSDP2 with overlap_fsdp: reduce-scatters left running while backward went on
+            "rs_overlapped": hcomm.torch.overlap_fsdp_counts(self.model)["overlapped"] if self.base.endswith("-prefetch") else None,
         }
 
 
@@ -497,6 +509,7 @@ def summarize(a, mode, every, world):
         # replicas are identical in every mode but local)
         "eval_acc": statistics.mean(r["eval_acc"] for r in every) if every[0]["eval_acc"] is not None else None,
         "buckets": every[0]["buckets"],
+        "rs_overlapped": every[0]["rs_overlapped"],
     }
 
 

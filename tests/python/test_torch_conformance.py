@@ -69,6 +69,7 @@ def test_coalesced_entry_points_and_fsdp2_match_gloo(n):
     out = run_job(n, [WORKER, "fsdp"], timeout=150)
     assert out.count("ok coalesced all_gather_into_tensor and reduce_scatter_tensor (async) equal gloo's") == n
     assert out.count("ok FSDP2 fully_shard trains 4 steps with gloo's parameters") == n
+    assert out.count("ok overlap_fsdp leaves reduce-scatters running until backward ends; parameters bitwise the same, accumulation blocking") == n
     assert "all_gather_single_coalesced" in out  # FSDP2's all-gathers went through it
 
 

@@ -647,8 +647,7 @@ elif CASE == "fsdp":
         torch.manual_seed(42)
         return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
 
-    def train(group):
-        m = model()
+    def train_model(m, group, overlap, accumulate):
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
@@ -656,13 +655,20 @@ elif CASE == "fsdp":
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
+        if overlap:
+            ht.overlap_fsdp(m)
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(3 + R)
         for _ in range(4):
             opt.zero_grad()
-            torch.nn.functional.mse_loss(m(torch.randn(6, 12, generator=gen)), torch.randn(6, 3, generator=gen)).backward()
+            for _ in range(accumulate):  # micro-batches: gradients add up in .grad
+                torch.nn.functional.mse_loss(m(torch.randn(6, 12, generator=gen)), torch.randn(6, 3, generator=gen)).backward()
             opt.step()
-        return [p.full_tensor().detach().clone() for p in m.parameters()]
+        params = [p.full_tensor().detach().clone() for p in m.parameters()]
+        return (params, ht.overlap_fsdp_counts(m)) if overlap else params
+
+    def train(group, overlap=False, accumulate=1):
+        return train_model(model(), group, overlap, accumulate)
 
     ph = train(None)
     print(f"FSDP2 called hcomm's {sorted(called)}", flush=True)
@@ -670,6 +676,26 @@ elif CASE == "fsdp":
     for a, b in zip(ph, pg):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     ok("FSDP2 fully_shard trains 4 steps with gloo's parameters")
+
+    # hcomm.torch.overlap_fsdp: asynchronous all-gathers, and reduce-scatters left running
+    # until backward ends; the same parameters bitwise, on both backends. With two
+    # micro-batches per step the second backward accumulates into .grad, which FSDP2 reads
+    # at once: those reduce-scatters must run blocking.
+    for group in (None, gloo):
+        plain = train(group)
+        ov, counts = train(group, overlap=True)
+        for a, b in zip(plain, ov):
+            assert torch.equal(a, b), ("overlap_fsdp changed the parameters", group)
+        if W > 1:  # 4 steps x 3 layers (the root holds no parameters; one rank: nothing to reduce)
+            assert counts["overlapped"] == 4 * 3 and counts["blocking"] == 0, counts
+        plain = train(group, accumulate=2)
+        ov, counts = train(group, overlap=True, accumulate=2)
+        for a, b in zip(plain, ov):
+            assert torch.equal(a, b), ("overlap_fsdp changed the accumulated parameters", group)
+        if W > 1:
+            assert counts["overlapped"] == 4 * 3 and counts["blocking"] == 4 * 3, counts
+            assert "accumulate" in counts["reason"], counts
+    ok("overlap_fsdp leaves reduce-scatters running until backward ends; parameters bitwise the same, accumulation blocking")
 
 # ----------------------------------------------------------------------------------------------
 elif CASE == "entry_points":
