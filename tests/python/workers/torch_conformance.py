@@ -647,7 +647,7 @@ elif CASE == "fsdp":
         torch.manual_seed(42)
         return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
 
-    def train_model(m, group, overlap, accumulate):
+    def train_model(m, group, overlap, accumulate, compress=None):
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
@@ -657,6 +657,8 @@ elif CASE == "fsdp":
         fully_shard(m, mesh=mesh)
         if overlap:
             ht.overlap_fsdp(m)
+        if compress:
+            ht.compress_fsdp(m, compress)
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(3 + R)
         for _ in range(4):
@@ -667,8 +669,8 @@ elif CASE == "fsdp":
         params = [p.full_tensor().detach().clone() for p in m.parameters()]
         return (params, ht.overlap_fsdp_counts(m)) if overlap else params
 
-    def train(group, overlap=False, accumulate=1):
-        return train_model(model(), group, overlap, accumulate)
+    def train(group, overlap=False, accumulate=1, compress=None):
+        return train_model(model(), group, overlap, accumulate, compress)
 
     ph = train(None)
     print(f"FSDP2 called hcomm's {sorted(called)}", flush=True)
@@ -695,6 +697,14 @@ elif CASE == "fsdp":
         if W > 1:
             assert counts["overlapped"] == 4 * 3 and counts["blocking"] == 4 * 3, counts
             assert "accumulate" in counts["reason"], counts
+    # compress_fsdp's compressed reduce-scatters (hcomm only), overlapped the same way: the
+    # same parameters bitwise as compressed and blocking
+    plain = train(None, compress="int8")
+    ov, counts = train(None, overlap=True, compress="int8")
+    for a, b in zip(plain, ov):
+        assert torch.equal(a, b), "overlap_fsdp changed compress_fsdp's parameters"
+    if W > 1:
+        assert counts["overlapped"] == 4 * 3 and counts["blocking"] == 0, counts
     ok("overlap_fsdp leaves reduce-scatters running until backward ends; parameters bitwise the same, accumulation blocking")
 
 # ----------------------------------------------------------------------------------------------
