@@ -1420,21 +1420,21 @@ class _PendingReduceScatters:
 
     def __init__(self) -> None:
         self.works: list = []
-        self.callback_queued = False
 
     def add(self, work: Any, *tensors: torch.Tensor) -> None:
+        """Keep `work` until the end of the current backward pass. Every call queues its own
+        final callback (the first to run waits for all, the others find nothing left): a
+        flag saying "already queued" would outlive a backward pass that failed before its
+        callbacks ran, and the next one would then wait for nothing."""
         self.works.append((work, tensors))
-        if not self.callback_queued:
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.wait_all)
-                self.callback_queued = True
-            except RuntimeError:  # not inside a backward pass: nothing would wait later
-                self.wait_all()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait_all)
+        except RuntimeError:  # not inside a backward pass: nothing would wait later
+            self.wait_all()
 
     def wait_all(self) -> None:
         """Wait for every started reduce-scatter (the first failure is raised, after all
         have been awaited)."""
-        self.callback_queued = False
         works, self.works = self.works, []
         first: Optional[BaseException] = None
         for work, _ in works:
