@@ -254,15 +254,7 @@ class Trainer:
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
 
-            group = gloo
-            if self.base not in GLOO_MODES:
-                # a group of the mode's own: hcomm keeps all-gather outputs per communicator
-                # (the gather cache), and the modes train bitwise the same parameters with
-                # their steps interleaved, so on one shared group a mode's all-gathers would
-                # find the shards another mode just sent and send references instead
-                group = dist.new_group(list(range(dist.get_world_size())))
-                self.comm = hcomm.torch.communicator_of(group)
-            mesh = DeviceMesh.from_group(group, "cpu")
+            mesh = DeviceMesh.from_group(gloo if self.base in GLOO_MODES else dist.group.WORLD, "cpu")
             layers = list(self.model.encoder.layers)
             for layer in layers:
                 fully_shard(layer, mesh=mesh)
@@ -371,6 +363,18 @@ class Trainer:
             self.events = {"push": [], "arrived": []}
         if self.base == "ddp-hcomm-dense":
             comm.skip_zeros = False  # HCOMM_SKIP_ZEROS=0 for this mode's step (in issue order)
+        if self.base.startswith("fsdp2-") and self.base not in GLOO_MODES:
+            # hcomm keeps all-gather outputs (the gather cache) per communicator, and the
+            # exact FSDP2 modes train bitwise the same parameters with their steps
+            # interleaved on the one world group: a mode's all-gathers would find the shards
+            # another mode just sent and send references. Drop what is kept (every rank, at
+            # the same point): a step's backward still finds its own forward's gathers, and a
+            # previous step's are of parameters the optimizer has changed since. (A group per
+            # mode would keep up to 256 MiB more per mode and rank: the full report's 6x512
+            # run ran out of memory that way.)
+            budget = comm.gather_cache_budget
+            comm.gather_cache_budget = 0
+            comm.gather_cache_budget = budget
         t0 = time.perf_counter()
         for p in params:
             p.grad = None

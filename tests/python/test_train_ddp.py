@@ -81,8 +81,8 @@ def test_train_ddp_quick_every_mode(tmp_path):
     # hcomm.torch.overlap_fsdp changes when the parameters arrive, not the arithmetic
     assert results["fsdp2-hcomm-prefetch"]["csum"] == results["fsdp2-hcomm"]["csum"]
     # ... its reduce-scatters ran while backward went on (3 steps + 1 warm-up, 3 units with
-    # parameters), and it moves the same bytes (each FSDP2 mode has a group of its own, so no
-    # mode's all-gathers find another mode's identical shards in hcomm's gather cache)
+    # parameters), and it moves the same bytes (each FSDP2 step drops what hcomm's gather
+    # cache kept, so no mode's all-gathers find another mode's identical shards)
     assert results["fsdp2-hcomm-prefetch"]["rs_overlapped"] == 4 * 3, results["fsdp2-hcomm-prefetch"]
     assert results["fsdp2-hcomm"]["rs_overlapped"] is None
     assert results["fsdp2-hcomm-prefetch"]["hcomm_sent_per_step"] == results["fsdp2-hcomm"]["hcomm_sent_per_step"]
