@@ -46,7 +46,7 @@ MODES = ("local,naive,fused,overlap,skipzeros,sparse,compressed:fp16,compressed:
          "fsdp2-gloo-prefetch,fsdp2-hcomm-prefetch:int8")
 #: the 100 Mbit/s run: every step moves ~93 MB at 12.5 MB/s, so fewer modes and steps
 SLOW_MODES = ("local,naive,overlap,skipzeros,sparse,compressed:int8,compressed:topk:1%,ddp-hcomm,ddp-hcomm-dense,ddp-gloo,ddp-gloo-sparse,"
-              "ddp-hcomm:int8,ddp-hcomm:topk:1%,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm:int8,fsdp2-hcomm-prefetch:int8")
+              "ddp-hcomm:int8,ddp-hcomm:topk:1%,fsdp2-hcomm,fsdp2-gloo,fsdp2-hcomm:int8,fsdp2-hcomm-prefetch,fsdp2-hcomm-prefetch:int8,fsdp2-gloo-prefetch")
 
 #: Peer figures for the 6x512 encoder, 2 ranks on a 1 Gbit/s veth link (../shared/bench/BASELINE.md)
 #: and the issue's targets derived from them.
