@@ -130,6 +130,46 @@ fn large_4_ranks() {
     large(4);
 }
 
+/// The shared-memory algorithms with every rank publishing to memory (streaming stores) or
+/// through the cache, forced (`HCOMM_SHM_PUBLISH`): the reference results either way, at sizes
+/// that take the pipelined paths (over 4 KiB; several steps at 1 MiB + 3) and, at 3 ranks,
+/// with the ranks disagreeing.
+fn shm_publishing(n: usize) {
+    use hcomm::config::{Publish, PublishSetting};
+    let o = CheckOpts {
+        dtypes: vec![DType::F32, DType::I8, DType::F64],
+        ops: vec![ReduceOp::Sum, ReduceOp::Mean],
+        counts: vec![1031, (1 << 20) + 3],
+        algos: vec![hcomm::Algo::Shm],
+        ..CheckOpts::full()
+    };
+    for mix in [
+        [Publish::Memory; 3],
+        [Publish::Cache, Publish::Memory, Publish::Cache],
+    ] {
+        let res = run_threads(n, Duration::from_secs(60), |comm| {
+            comm.set_shm_publishing(PublishSetting::Always(mix[comm.rank() % 3]));
+            run(&comm, &o)
+        });
+        assert_clean(n, res);
+    }
+}
+
+#[test]
+fn shm_publishing_2_ranks() {
+    shm_publishing(2);
+}
+
+#[test]
+fn shm_publishing_3_ranks() {
+    shm_publishing(3);
+}
+
+#[test]
+fn shm_publishing_4_ranks() {
+    shm_publishing(4);
+}
+
 #[test]
 fn results_are_bitwise_identical_across_ranks_with_non_integer_floats() {
     // Random-looking floats: sums depend on order, so equality across ranks shows every rank

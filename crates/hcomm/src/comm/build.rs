@@ -216,6 +216,10 @@ impl Communicator {
                 timeout,
                 transport == TransportKind::Shm,
             )?
+            .map(|mut group| {
+                group.set_publishing(tuning.shm_publish);
+                group
+            })
         } else {
             if transport == TransportKind::Shm && size > 1 {
                 return Err(Error::Config(format!(

@@ -563,6 +563,20 @@ impl Communicator {
         self.skip_zeros.store(on, Ordering::Relaxed);
     }
 
+    /// How this rank's shared-memory collectives write what their peers read next
+    /// (`HCOMM_SHM_PUBLISH`, [`crate::shm::publish`]): learned per collective and size
+    /// ([`PublishSetting::Auto`](crate::config::PublishSetting::Auto), the default), or always
+    /// through the cache or to memory. The results are the same either way, so ranks may
+    /// differ; setting it again forgets what was learned. No effect without shared memory.
+    pub fn set_shm_publishing(&self, setting: crate::config::PublishSetting) {
+        let _turn = self.engine.turns.enter();
+        if let Ok(mut inner) = self.inner.lock() {
+            if let Some(group) = inner.shm.as_mut() {
+                group.set_publishing(setting);
+            }
+        }
+    }
+
     /// Whether two-rank all-reduces across hosts skip zero blocks
     /// ([`set_skip_zeros`](Self::set_skip_zeros)).
     pub fn skips_zeros(&self) -> bool {

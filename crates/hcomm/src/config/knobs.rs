@@ -158,6 +158,14 @@ pub const ACCUMULATE: Knob = Knob {
     doc: "`f32`: f16 and bf16 sums, products and means are accumulated in f32 and rounded once",
 };
 
+/// `HCOMM_SHM_PUBLISH`.
+pub const SHM_PUBLISH: Knob = Knob {
+    var: "HCOMM_SHM_PUBLISH",
+    accepts: Accepts::Text,
+    default: KnobDefault::Described("`auto`"),
+    doc: "How a rank of the shared-memory collectives writes what its peers read next (staging, its slice of a reduced result): `cache`, plain stores, the lines stay in its CPU's cache; `memory`, streaming stores, the lines go to memory; `auto`, each rank times its calls and uses the cheaper way per collective and size class, trying the other now and then. A VM whose two vCPUs the hypervisor places apart from time to time moves a line from one to the other several times slower then, and reading from memory wins",
+};
+
 /// `HCOMM_SKIP_ZEROS`.
 pub const SKIP_ZEROS: Knob = Knob {
     var: "HCOMM_SKIP_ZEROS",
@@ -187,10 +195,11 @@ pub const TRACE: Knob = Knob {
 };
 
 /// Every knob, in the order they are checked.
-pub const KNOBS: [&Knob; 12] = [
+pub const KNOBS: [&Knob; 13] = [
     &SPIN_US,
     &CPUS,
     &SHM_CHUNK,
+    &SHM_PUBLISH,
     &SHM_P2P_BYTES,
     &SOCKET_BUF,
     &ALGO,
@@ -205,6 +214,38 @@ pub const KNOBS: [&Knob; 12] = [
 /// The knob read from `var`, if it is one.
 pub fn knob(var: &str) -> Option<&'static Knob> {
     KNOBS.iter().copied().find(|k| k.var == var)
+}
+
+/// How a rank writes what its peers read next on shared memory (see `crate::shm::publish`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Publish {
+    /// Plain stores: the lines stay in this CPU's cache, where a peer sharing it reads them.
+    Cache,
+    /// Streaming (non-temporal) stores: the lines go to memory, which any CPU reads at the
+    /// same speed.
+    Memory,
+}
+
+/// `HCOMM_SHM_PUBLISH`: learn the way per collective and size, or force one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PublishSetting {
+    /// Learned from each call's time (the default).
+    #[default]
+    Auto,
+    /// Always this way.
+    Always(Publish),
+}
+
+impl std::str::FromStr for PublishSetting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(PublishSetting::Auto),
+            "cache" => Ok(PublishSetting::Always(Publish::Cache)),
+            "memory" => Ok(PublishSetting::Always(Publish::Memory)),
+            _ => Err(format!("expected auto, cache or memory, not '{s}'")),
+        }
+    }
 }
 
 /// Rounds `n` up to a multiple of 4 KiB (the shared-memory sizes are in pages).
@@ -330,6 +371,9 @@ pub struct Tuning {
     /// `HCOMM_SKIP_ZEROS` (default on): two-rank all-reduces across hosts skip zero blocks
     /// ([`crate::algo::skip_zeros`]).
     pub skip_zeros: bool,
+    /// `HCOMM_SHM_PUBLISH`: how the shared-memory collectives write what peers read next
+    /// (learned per call when [`PublishSetting::Auto`], the default).
+    pub shm_publish: PublishSetting,
     /// `HCOMM_GATHER_CACHE_MB`: MiB of all-gather outputs kept between hosts
     /// ([`crate::algo::gather_cache`]); `None` for the default, which depends on the host's
     /// memory and ranks.
@@ -352,6 +396,7 @@ impl Default for Tuning {
             deterministic: false,
             accumulate_f32: false,
             skip_zeros: true,
+            shm_publish: PublishSetting::Auto,
             gather_cache_mb: None,
             trace: None,
         }
@@ -430,6 +475,12 @@ impl Tuning {
                 })
             }
         };
+        let shm_publish = match vars.get(SHM_PUBLISH.var) {
+            None => PublishSetting::Auto,
+            Some(v) => v.parse().map_err(|e| ConfigError::Tuning {
+                message: format!("{}={v}: {e}", SHM_PUBLISH.var),
+            })?,
+        };
         Ok(Tuning {
             spin_us,
             cpus,
@@ -442,6 +493,7 @@ impl Tuning {
             deterministic,
             accumulate_f32,
             skip_zeros,
+            shm_publish,
             gather_cache_mb: GATHER_CACHE_MB.number(&vars)?,
             trace: vars.get(TRACE.var),
         })
@@ -530,6 +582,8 @@ mod tests {
             vec![("HCOMM_ACCUMULATE", "native")],
             vec![("HCOMM_SKIP_ZEROS", "0")],
             vec![("HCOMM_SKIP_ZEROS", "1")],
+            vec![("HCOMM_SHM_PUBLISH", "memory")],
+            vec![("HCOMM_SHM_PUBLISH", " auto ")],
         ] {
             assert_eq!(tuning(&good), Ok(()), "{good:?}");
         }
@@ -586,6 +640,11 @@ mod tests {
                 "HCOMM_SKIP_ZEROS",
                 "yes",
                 "HCOMM_SKIP_ZEROS=yes: expected 1 (skip zero blocks between hosts) or 0",
+            ),
+            (
+                "HCOMM_SHM_PUBLISH",
+                "fast",
+                "HCOMM_SHM_PUBLISH=fast: expected auto, cache or memory, not 'fast'",
             ),
         ] {
             let e = tuning(&[(var, value)]).expect_err(value);

@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::JobToken;
-pub use knobs::{Tuning, SHM_CHUNK_RANGE, SHM_P2P_BYTES_RANGE};
+pub use knobs::{Publish, PublishSetting, Tuning, SHM_CHUNK_RANGE, SHM_P2P_BYTES_RANGE};
 
 /// Which transport hcomm uses between ranks (`HCOMM_TRANSPORT`, or the rank
 /// table's `transport` field).

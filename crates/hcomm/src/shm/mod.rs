@@ -11,6 +11,7 @@
 mod all_to_all_v;
 pub mod futex;
 pub mod p2p;
+pub mod publish;
 // The ring's `Bytes` trait has `unsafe` methods: the caller (the ring's own push/pop) promises
 // that the range is the producer's alone (copy in) or published and not yet consumed (copy
 // out), which the single-producer/single-consumer counters with release/acquire guarantee.
@@ -33,6 +34,7 @@ use crate::base::reduce::{finalize_mean, fold_in_order, reduce_into, reduce_pair
 use crate::base::segments::even_segments;
 use crate::wait::{LearnedSpin, WaitPolicy};
 pub use crate::wire::collective::ShmFingerprint;
+use publish::{Kind, Publish, PublishPolicy, PublishSetting};
 use segment::Segment;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -190,6 +192,10 @@ pub struct ShmGroup {
     sleeps: std::cell::Cell<u64>,
     /// The spin window, learned from the waits that slept (not when yielding).
     spin: std::cell::Cell<LearnedSpin>,
+    /// How this rank writes what its peers read next, learned per collective and size.
+    publishing: PublishPolicy,
+    /// Where a rank that publishes to memory reduces its slice first (reused).
+    reduced: Vec<u8>,
 }
 
 /// What a rank needs to time out and name peers while it waits.
@@ -268,7 +274,31 @@ impl ShmGroup {
             polled_elsewhere: std::cell::Cell::new(0),
             sleeps: std::cell::Cell::new(0),
             spin: std::cell::Cell::new(LearnedSpin::new(policy.spin)),
+            publishing: PublishPolicy::default(),
+            reduced: Vec::new(),
         }
+    }
+
+    /// Learn how to publish (the default) or always publish one way (`HCOMM_SHM_PUBLISH`).
+    pub fn set_publishing(&mut self, setting: PublishSetting) {
+        self.publishing = PublishPolicy::new(setting);
+    }
+
+    /// What this rank has learned about publishing (see [`publish`]).
+    pub fn publishing(&self) -> &PublishPolicy {
+        &self.publishing
+    }
+
+    /// The way the pipelined collective of `kind` about to run on `len` bytes (the same on
+    /// every rank) publishes, and when it started; [`published`](Self::published) reports it.
+    fn publish_start(&mut self, kind: Kind, len: usize) -> (Kind, usize, Publish, Instant) {
+        (kind, len, self.publishing.choose(kind, len), Instant::now())
+    }
+
+    /// Tells the policy how long the call that [`publish_start`](Self::publish_start) began
+    /// took (only calls that succeeded are reported).
+    fn published(&mut self, (kind, len, way, started): (Kind, usize, Publish, Instant)) {
+        self.publishing.record(kind, len, way, started.elapsed());
     }
 
     /// Waits so far that went to sleep at once, without spinning, because the peer waited on
@@ -315,6 +345,17 @@ impl ShmGroup {
     fn get(&mut self, off: usize, dst: &mut [u8]) {
         self.read += dst.len() as u64;
         self.seg.get(off, dst)
+    }
+
+    /// [`put`](Self::put) the way `way` says: with streaming stores for [`Publish::Memory`].
+    fn put_way(&mut self, off: usize, src: &[u8], way: Publish) {
+        match way {
+            Publish::Cache => self.put(off, src),
+            Publish::Memory => {
+                self.written += src.len() as u64;
+                crate::base::simd::copy_streaming(self.seg.view_mut(off, src.len()), src);
+            }
+        }
     }
 
     /// [`get`](Self::get) with streaming stores (`simd::copy_streaming`): for outputs that
@@ -741,7 +782,6 @@ impl ShmGroup {
     ) -> Result<()> {
         let n = self.size();
         let me = self.rank;
-        let es = dtype.size();
         let len = input.map_or(out.len(), |i| i.len());
         let writes_out = root.is_none_or(|r| r == me);
         if len <= SMALL {
@@ -769,6 +809,29 @@ impl ShmGroup {
             }
             return Ok(());
         }
+        let call = self.publish_start(Kind::AllReduce, len);
+        self.all_reduce_pipelined(input, out, dtype, op, writes_out, fp, w, call.2)?;
+        self.published(call);
+        Ok(())
+    }
+
+    /// The all-reduce (or reduce) of more than [`SMALL`] bytes, publishing `way`.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_pipelined(
+        &mut self,
+        input: Option<&[u8]>,
+        out: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        writes_out: bool,
+        fp: ShmFingerprint,
+        w: &WaitCtx,
+        way: Publish,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank;
+        let es = dtype.size();
+        let len = input.map_or(out.len(), |i| i.len());
         // Software-pipelined, one barrier per step: step j stages chunk j, reduces chunk j-1
         // (staged in step j-1) and copies chunk j-2 out (reduced in step j-1), then arrives
         // and waits for all. Two phases per chunk, each followed by a barrier, made every rank
@@ -800,48 +863,100 @@ impl ShmGroup {
                         // Protocol: staging (me, par) was last read in the reduction of chunk
                         // j-2, in step j-1, before the readers arrived at step j-1's barrier,
                         // which this rank awaited.
-                        self.put(self.layout.staging(me, par) + s.start, &inp[s.clone()]);
+                        self.put_way(self.layout.staging(me, par) + s.start, &inp[s.clone()], way);
                     }
                 }
             }
             if (1..=chunks).contains(&j) {
                 // Reduce our slice of chunk j-1, in rank order, into the shared result.
-                let (o, l, par, segs) = at(j - 1);
-                let inp: &[u8] = match input {
-                    Some(i) => &i[o..o + l],
-                    None => &out[o..o + l],
-                };
+                let (o, _, par, segs) = at(j - 1);
                 let mine = segs[me].clone();
                 let r_off = self.layout.result(par) + mine.start;
                 // Protocol: our slice of result[par] was last read when chunk j-3 was copied
                 // out, in step j-1, before its readers arrived at that step's barrier.
                 let acc = self.seg.view_mut(r_off, mine.len());
-                let contribution = |p: usize| -> &[u8] {
-                    if p == me {
-                        &inp[mine.clone()]
-                    } else {
-                        // Protocol: published by p's arrival at step j-1's barrier; p
-                        // rewrites it only in step j+1, after our arrival at step j.
-                        self.seg
-                            .view(self.layout.staging(p, par) + mine.start, mine.len())
+                let (seg, layout) = (&self.seg, &self.layout);
+                // Protocol: published by p's arrival at step j-1's barrier; p rewrites it only
+                // in step j+1, after our arrival at step j.
+                let staged = |p: usize| seg.view(layout.staging(p, par) + mine.start, mine.len());
+                let ours = o + mine.start..o + mine.end;
+                match (way, input) {
+                    (Publish::Memory, Some(i)) if writes_out && !stream_out => {
+                        // Reduce straight into our output, then stream the slice to the
+                        // result for the peers.
+                        let own = &i[ours.clone()];
+                        let to = &mut out[ours.clone()];
+                        let contribution = |p: usize| if p == me { own } else { staged(p) };
+                        Self::reduce_in_rank_order(
+                            n,
+                            to,
+                            dtype,
+                            op,
+                            self.widen_halves,
+                            contribution,
+                        );
+                        crate::base::simd::copy_streaming(acc, to);
                     }
-                };
-                Self::reduce_in_rank_order(n, acc, dtype, op, self.widen_halves, contribution);
+                    (Publish::Memory, _) => {
+                        // In place (our slice of the output is our contribution), or our
+                        // output too is written with streaming stores, or we write none.
+                        if self.reduced.len() < mine.len() {
+                            self.reduced.resize(mine.len(), 0);
+                        }
+                        let tmp = &mut self.reduced[..mine.len()];
+                        let own: &[u8] = match input {
+                            Some(i) => &i[ours.clone()],
+                            None => &out[ours.clone()],
+                        };
+                        let contribution = |p: usize| if p == me { own } else { staged(p) };
+                        Self::reduce_in_rank_order(
+                            n,
+                            tmp,
+                            dtype,
+                            op,
+                            self.widen_halves,
+                            contribution,
+                        );
+                        crate::base::simd::copy_streaming(acc, tmp);
+                        if writes_out {
+                            if stream_out {
+                                crate::base::simd::copy_streaming(&mut out[ours.clone()], tmp);
+                            } else {
+                                out[ours.clone()].copy_from_slice(tmp);
+                            }
+                        }
+                    }
+                    (Publish::Cache, _) => {
+                        let own: &[u8] = match input {
+                            Some(i) => &i[ours.clone()],
+                            None => &out[ours.clone()],
+                        };
+                        let contribution = |p: usize| if p == me { own } else { staged(p) };
+                        Self::reduce_in_rank_order(
+                            n,
+                            acc,
+                            dtype,
+                            op,
+                            self.widen_halves,
+                            contribution,
+                        );
+                        if writes_out {
+                            // Our own slice of the result is in the cache now: copy it out at
+                            // once (the copy-out below takes only the peers' slices). The
+                            // input's slice there was consumed by the reduction just above.
+                            let to = &mut out[ours.clone()];
+                            let from = self.seg.view(r_off, mine.len());
+                            if stream_out {
+                                crate::base::simd::copy_streaming(to, from);
+                            } else {
+                                to.copy_from_slice(from);
+                            }
+                            self.read += mine.len() as u64;
+                        }
+                    }
+                }
                 self.read += ((n - 1) * mine.len()) as u64;
                 self.written += mine.len() as u64;
-                if writes_out {
-                    // Our own slice of the result is in the cache now: copy it out at once
-                    // (the copy-out below takes only the peers' slices). The input's slice
-                    // there was consumed by the reduction just above.
-                    let to = &mut out[o + mine.start..o + mine.end];
-                    let from = self.seg.view(r_off, mine.len());
-                    if stream_out {
-                        crate::base::simd::copy_streaming(to, from);
-                    } else {
-                        to.copy_from_slice(from);
-                    }
-                    self.read += mine.len() as u64;
-                }
             }
             if j >= 2 && writes_out {
                 // Every slice of chunk j-2 is reduced: copy the peers' out.
@@ -900,6 +1015,7 @@ impl ShmGroup {
             }
             return Ok(());
         }
+        let call = self.publish_start(Kind::Broadcast, buf.len());
         let mut first = true;
         let mut o = 0;
         loop {
@@ -908,7 +1024,7 @@ impl ShmGroup {
             self.steps += 1;
             if me == root {
                 // Protocol: staging (root, par) is ours (readers finished two steps ago).
-                self.put(self.layout.staging(root, par), &buf[o..o + l]);
+                self.put_way(self.layout.staging(root, par), &buf[o..o + l], call.2);
             }
             self.step_barrier(&mut first, fp, w)?;
             if me != root {
@@ -920,6 +1036,7 @@ impl ShmGroup {
             // the next step's barrier, which every reader reaches only once it has read.
             o += l;
             if o >= buf.len() {
+                self.published(call);
                 return Ok(());
             }
         }
@@ -975,6 +1092,7 @@ impl ShmGroup {
             return Ok(());
         }
         let chunk = self.layout.chunk;
+        let call = self.publish_start(Kind::AllGather, longest);
         let mut first = true;
         let mut o = 0;
         loop {
@@ -986,7 +1104,7 @@ impl ShmGroup {
                 None => &out[offs[me] + o.min(blocks[me])..offs[me] + o.min(blocks[me]) + mine_l],
             };
             // Protocol: staging (me, par) is ours (readers finished two steps ago).
-            self.put(self.layout.staging(me, par), src);
+            self.put_way(self.layout.staging(me, par), src, call.2);
             self.step_barrier(&mut first, fp, w)?;
             if writes_out {
                 for (p, &b) in blocks.iter().enumerate() {
@@ -1004,6 +1122,7 @@ impl ShmGroup {
             // the next step's barrier, which every reader reaches only once it has read.
             o += chunk;
             if o >= longest {
+                self.published(call);
                 return Ok(());
             }
         }
@@ -1036,6 +1155,7 @@ impl ShmGroup {
         let longest = blocks.iter().copied().max().unwrap_or(0);
         // Each step handles a piece of every block; staging holds one piece per block.
         let piece = (self.layout.chunk / n / es * es).max(es);
+        let call = self.publish_start(Kind::ReduceScatter, longest);
         let mut first = true;
         let mut o = 0;
         loop {
@@ -1049,9 +1169,10 @@ impl ShmGroup {
                 let l = b.saturating_sub(o).min(piece);
                 if p != me && l > 0 {
                     // Protocol: staging (me, par) is ours (readers finished two steps ago).
-                    self.put(
+                    self.put_way(
                         self.layout.staging(me, par) + p * piece,
                         &full[offs[p] + o..offs[p] + o + l],
+                        call.2,
                     );
                 }
             }
@@ -1111,6 +1232,7 @@ impl ShmGroup {
                 break;
             }
         }
+        self.published(call);
         if op == ReduceOp::Mean {
             match input {
                 Some(_) => finalize_mean(dtype, out, n),
@@ -1157,6 +1279,7 @@ impl ShmGroup {
         let n = self.size();
         let me = self.rank;
         let piece = (self.layout.chunk / n).max(1);
+        let call = self.publish_start(Kind::AllToAll, longest);
         let mut first = true;
         let mut o = 0;
         loop {
@@ -1167,9 +1290,10 @@ impl ShmGroup {
                     let (off, l) = (b.start, b.len().saturating_sub(o).min(piece));
                     if l > 0 {
                         // Protocol: staging (me, par) is ours (readers finished two steps ago).
-                        self.put(
+                        self.put_way(
                             self.layout.staging(me, par) + p * piece,
                             &input[off + o..off + o + l],
+                            call.2,
                         );
                     }
                 }
@@ -1191,6 +1315,7 @@ impl ShmGroup {
             // the next step's barrier, which every reader reaches only once it has read.
             o += piece;
             if o >= longest {
+                self.published(call);
                 return Ok(());
             }
         }
