@@ -854,6 +854,7 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
             o.check
         );
         println!("{}", conditions_line(o.noise));
+        println!("{}", crate::cross_core::line("before the run"));
         println!("{}", header());
     }
     let run_start = (me == 0).then(CpuTimes::now).flatten();
@@ -913,6 +914,7 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
                     if whole >= 5.0 { ": a noisy machine, compare with care" } else { "" }
                 );
             }
+            println!("{}", crate::cross_core::line("after the run"));
         }
         if let Some(path) = &out.plot {
             let series = vec![crate::plot::Series {

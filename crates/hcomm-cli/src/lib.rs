@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod check;
 pub mod compression_bench;
+pub mod cross_core;
 pub mod demo;
 pub mod doctor;
 pub mod fusion_bench;
