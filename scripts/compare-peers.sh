@@ -49,7 +49,16 @@ done
 stop_noise() { [ ${#noise_pids[@]} -eq 0 ] || kill "${noise_pids[@]}" 2>/dev/null || true; }
 trap stop_noise EXIT
 
+# How long 256 KiB written on one CPU takes to be read on another, in µs (`hcomm bench` measures
+# it for its header; a 1-rank run does nothing else): on a VM it jumps 3-5x while the hypervisor
+# runs the vCPUs where they share no cache, and shared-memory figures (the peers' too) with it.
+cross_core() {
+    "$hcomm" bench allreduce -np 1 -b 8 -e 8 -n 1 -w 0 -c 0 2>/dev/null |
+        sed -n 's/^# cross-core: .* in \([0-9.]*\) µs.*/\1/p' | head -1
+}
+
 echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS, noise $NOISE)" >&2
+cc_peers=$(cross_core)
 peer_start=$(cpu_sample)
 BENCH_BUILD="$OUT_DIR/peer-build" BENCH_RESULTS="$OUT_DIR" PEERS="$PEERS" RANKS="$RANKS" \
     TRANSPORTS="$TRANSPORT" SIZES="$SIZES" COLLS="${COLLS// /,}" REPS="$REPS" TARGET="$TARGET" RUNS=1 \
@@ -80,6 +89,7 @@ hcomm_op() {
         bcast) echo broadcast ;; barrier) echo barrier ;; pingpong) echo sendrecv ;; *) echo "$1" ;;
     esac
 }
+cc_hcomm=$(cross_core)
 json="$OUT_DIR/hcomm-$stamp.jsonl"
 : > "$json"
 echo "[compare] hcomm" >&2
@@ -94,7 +104,9 @@ for coll in ${COLLS//,/ }; do
 done
 
 hcomm_steal=$(steal_since "$hcomm_start")
+cc_end=$(cross_core)
 echo "# conditions: $NOISE busy process(es) beside the ranks; steal time $peer_steal% while the peers ran, $hcomm_steal% while hcomm ran (/proc/stat)"
+echo "# cross-core turn (256 KiB written on one CPU, read on another): ${cc_peers:-?} µs before the peers, ${cc_hcomm:-?} before hcomm, ${cc_end:-?} after; a jump of 3x or more means the VM's CPUs stopped sharing a cache meanwhile, and shared-memory times are not comparable"
 
 python3 - "$OUT_DIR/peers-$stamp.txt" "$json" <<'PY'
 import json, sys
