@@ -195,6 +195,11 @@ pub struct Row {
     pub steal_pct: Option<f64>,
     /// Busy processes that ran beside the ranks (`--noise`).
     pub noise: usize,
+    /// The cross-core turn before and after the run, in µs ([`crate::cross_core`], seen by
+    /// rank 0): runs whose turns differ past [`crate::cross_core::SAME_STATE`] ran in
+    /// different states of the machine and are not compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cross_core_us: Option<[f64; 2]>,
 }
 
 /// The CPU time counters of `/proc/stat` (all CPUs): (steal, total), in clock ticks.
@@ -487,6 +492,7 @@ fn run_window_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<R
         busbw: algbw * BenchOp::Coll(Collective::AllReduce).busbw_factor(n),
         wrong: if o.check { wrong[0] as i64 } else { -1 },
         steal_pct: None,
+        cross_core_us: None,
         noise: o.noise,
     })
 }
@@ -571,6 +577,7 @@ pub fn run_size(comm: &Communicator, o: &BenchOpts, bytes: usize) -> Result<Row>
         busbw: algbw * op.busbw_factor(n),
         wrong,
         steal_pct: None,
+        cross_core_us: None,
         noise: o.noise,
     })
 }
@@ -767,6 +774,51 @@ impl Verdict {
     }
 }
 
+/// Which earlier runs of a configuration a run compares with ([`same_state_runs`]).
+#[derive(Debug, PartialEq)]
+enum SameState {
+    /// These (all of them where either side has no cross-core turn recorded).
+    Runs(Vec<serde_json::Value>),
+    /// None: the run's own turns before and after (µs) say the state changed meanwhile.
+    ChangedDuringRun([f64; 2]),
+    /// None: every earlier run's turns (the last one's `then`) differ from this one's (`now`).
+    NoneOf {
+        /// This run's turn before it, µs.
+        now: f64,
+        /// The last earlier run's, µs.
+        then: f64,
+    },
+}
+
+/// The earlier runs (`all`) made in the same state of the machine as `now`: both the turns
+/// before and after within [`crate::cross_core::SAME_STATE`] of each other's.
+fn same_state_runs(now: &serde_json::Value, all: &[serde_json::Value]) -> SameState {
+    let turn = |v: &serde_json::Value| -> Option<[f64; 2]> {
+        let t = v.get("cross_core_us")?.as_array()?;
+        Some([t.first()?.as_f64()?, t.get(1)?.as_f64()?])
+    };
+    let same = crate::cross_core::same_state;
+    let Some([b, a]) = turn(now) else {
+        return SameState::Runs(all.to_vec());
+    };
+    if all.is_empty() {
+        return SameState::Runs(Vec::new());
+    }
+    if !same(b, a) {
+        return SameState::ChangedDuringRun([b, a]);
+    }
+    let runs: Vec<serde_json::Value> = all
+        .iter()
+        .filter(|e| turn(e).is_none_or(|[eb, ea]| same(b, eb) && same(a, ea)))
+        .cloned()
+        .collect();
+    if runs.is_empty() {
+        let then = turn(all.last().expect("not empty")).map_or(0.0, |t| t[0]);
+        return SameState::NoneOf { now: b, then };
+    }
+    SameState::Runs(runs)
+}
+
 /// Compare `rows` with the earlier rows of the same configuration in `path` (the last
 /// [`HISTORY_RUNS`] of each), print the comparison, then append `rows`.
 fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
@@ -799,19 +851,37 @@ fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
         let mut v = serde_json::to_value(r).expect("row serialises");
         v["unix_time"] = when.into();
         v["host"] = host.clone().into();
-        let runs = earlier.get(&history_key(&v)).map_or(&[][..], |r| &r[..]);
+        let all_runs = earlier.get(&history_key(&v)).map_or(&[][..], |r| &r[..]);
+        let label = format!(
+            "# {} {} ranks {} {} B noise {}",
+            r.op, r.ranks, r.transport, r.bytes, r.noise
+        );
+        let runs = match same_state_runs(&v, all_runs) {
+            SameState::Runs(runs) => runs,
+            SameState::ChangedDuringRun([b, a]) => {
+                println!(
+                    "{label}: no verdict: the machine changed state during the run (cross-core turn {b:.1} µs before, {a:.1} after)"
+                );
+                writeln!(file, "{v}")?;
+                continue;
+            }
+            SameState::NoneOf { now, then } => {
+                println!(
+                    "{label}: no verdict: the last {} run(s) ran in another state of the machine (cross-core turn {now:.1} µs now, {then:.1} the last time)",
+                    all_runs.len()
+                );
+                writeln!(file, "{v}")?;
+                continue;
+            }
+        };
+        let left_out = all_runs.len() - runs.len();
         let spreads: Vec<Spread> = runs.iter().filter_map(Spread::of_record).collect();
         if let (Some(now), Some(last)) = (Spread::of_record(&v), runs.last()) {
             if let Some(verdict) = Verdict::of(&spreads, now) {
                 let lo = spreads.iter().map(|s| s.median).fold(f64::MAX, f64::min);
                 let hi = spreads.iter().map(|s| s.median).fold(0.0, f64::max);
                 println!(
-                    "# {} {} ranks {} {} B noise {}: {:.2} us now (repeats {:.2}-{:.2}); last time {:.2} us ({} s ago on {}), the last {} run(s) {:.2}-{:.2} us: {} ({:.2}x the last)",
-                    r.op,
-                    r.ranks,
-                    r.transport,
-                    r.bytes,
-                    r.noise,
+                    "{label}: {:.2} us now (repeats {:.2}-{:.2}); last time {:.2} us ({} s ago on {}), the last {} run(s) {:.2}-{:.2} us: {} ({:.2}x the last){}",
                     now.median,
                     now.fastest,
                     now.slowest,
@@ -823,6 +893,11 @@ fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
                     hi,
                     verdict.word(),
                     last["time_us"].as_f64().unwrap_or(0.0) / now.median,
+                    if left_out > 0 {
+                        format!("; {left_out} earlier run(s) in another state of the machine left out")
+                    } else {
+                        String::new()
+                    },
                 );
             }
         }
@@ -854,10 +929,14 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
             o.check
         );
         println!("{}", conditions_line(o.noise));
-        println!("{}", crate::cross_core::line("before the run"));
-        println!("{}", header());
     }
     let run_start = (me == 0).then(CpuTimes::now).flatten();
+    // The cross-core turn before the run (and after it, below): what state the machine was in.
+    let turn_before = (me == 0).then(crate::cross_core::turn_time).flatten();
+    if me == 0 && !json {
+        println!("{}", crate::cross_core::line(turn_before, "before the run"));
+        println!("{}", header());
+    }
     let all_sizes = sizes(o.min_bytes, o.max_bytes, o.factor);
     let progress = me == 0 && std::io::stderr().is_terminal() && all_sizes.len() > 1;
     let mut rows = Vec::new();
@@ -889,6 +968,13 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
     if progress {
         eprint!("\r\x1b[K");
     }
+    let turn_after = (me == 0).then(crate::cross_core::turn_time).flatten();
+    if let (Some(b), Some(a)) = (turn_before, turn_after) {
+        let us = [b.as_secs_f64() * 1e6, a.as_secs_f64() * 1e6];
+        for r in &mut rows {
+            r.cross_core_us = Some(us);
+        }
+    }
     let wrong: i64 = rows.iter().map(|r| r.wrong.max(0)).sum();
     let mut output_failed = false;
     if me == 0 {
@@ -914,7 +1000,7 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
                     if whole >= 5.0 { ": a noisy machine, compare with care" } else { "" }
                 );
             }
-            println!("{}", crate::cross_core::line("after the run"));
+            println!("{}", crate::cross_core::line(turn_after, "after the run"));
         }
         if let Some(path) = &out.plot {
             let series = vec![crate::plot::Series {
@@ -957,6 +1043,60 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_runs_in_the_same_state_of_the_machine_compare() {
+        let run = |t: f64, turns: Option<[f64; 2]>| match turns {
+            Some(c) => serde_json::json!({"time_us": t, "cross_core_us": c}),
+            None => serde_json::json!({"time_us": t}),
+        };
+        let shared = Some([28.0, 30.0]);
+        let apart = Some([110.0, 95.0]);
+        let earlier = vec![
+            run(85.0, shared),
+            run(340.0, apart),
+            run(90.0, None),
+            run(88.0, shared),
+        ];
+        match same_state_runs(&run(87.0, shared), &earlier) {
+            SameState::Runs(runs) => {
+                let times: Vec<f64> = runs
+                    .iter()
+                    .map(|r| r["time_us"].as_f64().unwrap())
+                    .collect();
+                assert_eq!(
+                    times,
+                    [85.0, 90.0, 88.0],
+                    "the run of the other state left out"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        match same_state_runs(&run(330.0, apart), &earlier) {
+            SameState::Runs(runs) => assert_eq!(runs.len(), 2, "its own state, and the unknown"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            same_state_runs(&run(200.0, Some([30.0, 100.0])), &earlier),
+            SameState::ChangedDuringRun([30.0, 100.0])
+        );
+        assert_eq!(
+            same_state_runs(&run(330.0, apart), &[run(85.0, shared)]),
+            SameState::NoneOf {
+                now: 110.0,
+                then: 28.0
+            }
+        );
+        // No turn recorded now (an older binary, or one CPU): every earlier run compares.
+        assert_eq!(
+            same_state_runs(&run(87.0, None), &earlier),
+            SameState::Runs(earlier.clone())
+        );
+        assert_eq!(
+            same_state_runs(&run(87.0, shared), &[]),
+            SameState::Runs(vec![])
+        );
+    }
 
     fn spread(median: f64, fastest: f64, slowest: f64) -> Spread {
         Spread {

@@ -15,6 +15,15 @@ use std::time::{Duration, Instant};
 
 /// Bytes each thread writes per turn (and the other reads): less than a core's L2 here.
 pub const BYTES: usize = 256 << 10;
+/// Two runs whose turn times differ by more than this factor ran in different states of the
+/// machine (on the VM above: 17-36 µs against 72-118).
+pub const SAME_STATE: f64 = 2.0;
+
+/// Whether turn times `a` and `b` (µs) say the same state of the machine.
+pub fn same_state(a: f64, b: f64) -> bool {
+    a > 0.0 && b > 0.0 && a.max(b) <= SAME_STATE * a.min(b)
+}
+
 /// Turns timed (after a few untimed ones).
 const TURNS: usize = 40;
 
@@ -81,9 +90,9 @@ pub fn turn_time() -> Option<Duration> {
     turns.get(turns.len() / 2).copied()
 }
 
-/// The header or footer line: the turn time, and what it says.
-pub fn line(when: &str) -> String {
-    match turn_time() {
+/// The header or footer line for a turn time `turn` ([`turn_time`]).
+pub fn line(turn: Option<Duration>, when: &str) -> String {
+    match turn {
         Some(t) => format!(
             "# cross-core: {} KiB written on one CPU and read on another in {:.1} µs (median of {TURNS} turns, {when}; a VM whose vCPUs share no cache at the moment takes several times longer, and shared-memory figures with it)",
             BYTES >> 10,
@@ -126,8 +135,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn states_differ_past_twice_the_turn() {
+        assert!(same_state(20.0, 36.0));
+        assert!(!same_state(30.0, 90.0));
+        assert!(!same_state(90.0, 30.0));
+        assert!(same_state(80.0, 118.0));
+        assert!(!same_state(0.0, 30.0));
+    }
+
+    #[test]
     fn the_probe_measures_a_turn_or_says_why_not() {
-        let l = line("test");
+        let l = line(turn_time(), "test");
         assert!(l.starts_with("# cross-core: "), "{l}");
         if let Some(t) = turn_time() {
             assert!(t > Duration::ZERO && t < Duration::from_secs(1), "{t:?}");

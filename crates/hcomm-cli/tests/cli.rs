@@ -605,7 +605,12 @@ fn bench_writes_a_valid_svg_plot() {
         ],
         Duration::from_secs(60),
     );
-    assert!(out.contains("last time"), "{out}");
+    // A comparison, or the reason there is none: the machine changed state (a VM's vCPUs
+    // stopped or started sharing a cache) between or during the runs.
+    assert!(
+        out.contains("last time") || out.contains(": no verdict: "),
+        "{out}"
+    );
 }
 
 #[test]
