@@ -204,6 +204,11 @@ pub fn local_checks(cfg: Option<&BootstrapConfig>, report: &mut Report) {
         }
     }
     shm_check(report);
+    // One rank per job: the probe pins two threads to two CPUs, and ranks probing together
+    // would measure one another.
+    if cfg.is_none_or(|c| c.rank == 0) {
+        cross_core_check(report);
+    }
     fd_check(cfg.map_or(1, |c| c.world_size), report);
 }
 
@@ -296,6 +301,44 @@ fn shm_check(report: &mut Report) {
             "/dev/shm",
             format!("not available ({e}): shared memory between local ranks will not work"),
         ),
+    }
+}
+
+/// How long 256 KiB written on one CPU takes to be read on another ([`crate::cross_core`]),
+/// probed a few times: on a VM whose hypervisor sometimes runs the vCPUs where they share no
+/// cache, it jumps 3-5x from one moment to the next, and shared-memory speed with it.
+fn cross_core_check(report: &mut Report) {
+    let mut turns: Vec<f64> = (0..7)
+        .filter_map(|i| {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(150));
+            }
+            crate::cross_core::turn_time().map(|t| t.as_secs_f64() * 1e6)
+        })
+        .collect();
+    if turns.is_empty() {
+        report.add(
+            Level::Ok,
+            "cross-core",
+            "not measured (one CPU, or no pinning)",
+        );
+        return;
+    }
+    turns.sort_by(f64::total_cmp);
+    let (lo, hi) = (turns[0], turns[turns.len() - 1]);
+    let what = format!(
+        "256 KiB written on one CPU is read on another in {:.1} µs (median of {} probes over 1 s; {lo:.1}-{hi:.1})",
+        turns[turns.len() / 2],
+        turns.len()
+    );
+    if crate::cross_core::same_state(lo, hi) {
+        report.add(Level::Ok, "cross-core", what);
+    } else {
+        report.add(
+            Level::Warn,
+            "cross-core",
+            format!("{what}: the CPUs moved between sharing a cache and not while measured (a VM's hypervisor placing its vCPUs); shared-memory collectives will run 2-4x slower at times, the peers' too (hcomm adapts how it writes, HCOMM_SHM_PUBLISH=auto; benchmarks record the state, `hcomm bench`'s header)"),
+        );
     }
 }
 

@@ -681,6 +681,7 @@ fn doctor_measures_every_pair() {
         out.contains("bootstrap")
             && out.contains("fd limit")
             && out.contains("/dev/shm")
+            && out.contains("cross-core")
             && out.contains("a job token is set"),
         "{out}"
     );
