@@ -107,6 +107,13 @@ hcomm_steal=$(steal_since "$hcomm_start")
 cc_end=$(cross_core)
 echo "# conditions: $NOISE busy process(es) beside the ranks; steal time $peer_steal% while the peers ran, $hcomm_steal% while hcomm ran (/proc/stat)"
 echo "# cross-core turn (256 KiB written on one CPU, read on another): ${cc_peers:-?} µs before the peers, ${cc_hcomm:-?} before hcomm, ${cc_end:-?} after; a jump of 3x or more means the VM's CPUs stopped sharing a cache meanwhile, and shared-memory times are not comparable"
+# Flag a comparison across states (turns more than 2x apart), as `hcomm bench --results` does.
+if [ -n "$cc_peers" ] && [ -n "$cc_hcomm" ] && [ -n "$cc_end" ] &&
+    ! awk -v a="$cc_peers" -v b="$cc_hcomm" -v c="$cc_end" 'BEGIN {
+        lo = a; hi = a; if (b < lo) lo = b; if (c < lo) lo = c; if (b > hi) hi = b; if (c > hi) hi = c
+        exit !(hi <= 2 * lo) }'; then
+    echo "# NOT COMPARABLE: the machine changed state between or during the halves (the turns above differ by more than 2x): rerun this round"
+fi
 
 python3 - "$OUT_DIR/peers-$stamp.txt" "$json" <<'PY'
 import json, sys
