@@ -4,7 +4,7 @@
 //!
 //! Measured on the 2-vCPU AMD EPYC VM (2026-12-07): two threads pinned to the two vCPUs that
 //! take turns reading 512 KiB the other just wrote move it in 28-32 µs most of the time, but
-//! for stretches of seconds (up to half the samples of a minute) in 130-215 µs: the hypervisor
+//! for stretches of seconds (up to half the samples of a minute) in 126-215 µs: the hypervisor
 //! has put the vCPUs where they share no cache, and a line written by one reaches the other
 //! about five times slower than usual. With the writer's streaming stores the same turn takes
 //! 62-94 µs in either state (the lines come from memory). A 2-rank 1 MiB all-reduce moves in
@@ -20,7 +20,7 @@
 //! The ranks must try together. A call is as slow as its slowest reader, so with one rank
 //! publishing to memory every rank's call costs what memory costs: a rank trying the cache
 //! alone would see no gain, and a pair that once chose memory would stay there. So the trials
-//! (and the first calls of a class, which measure each way once) fall on the same calls of
+//! (and the first calls of a class, which measure each way twice) fall on the same calls of
 //! every rank: the calls of a class are counted, and every rank makes the same calls. The
 //! choices between trials are each rank's own, from its own clock; ranks that disagree pay
 //! memory's price until the next trial, which shows both the way they would share.
