@@ -130,6 +130,11 @@ def test_training_report_quick_on_loopback(tmp_path):
     # the unchanged scripts against gloo: DDP and FSDP2, with the same parameters (2 ranks)
     assert "## Unchanged scripts: DDP and FSDP2 on hcomm against gloo" in text, text
     assert "| DDP |" in text and "| FSDP2 (fully_shard) |" in text and "| not slower | yes |" in text, text
+    # ... with the most any backend could gain: gloo's step over the compute-only step
+    by_mode = {r["mode"]: r for r in (json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()[1:])}
+    ceiling = by_mode["ddp-gloo"]["step_ms"] / by_mode["local"]["step_ms"]
+    ddp_row = next(line for line in text.splitlines() if line.startswith("| loopback, 2 ranks (") and "| DDP |" in line)
+    assert "| at most (gloo ÷ compute-only) |" in text and f"| {ceiling:.2f}x (" in ddp_row, ddp_row
     # --timeline: each mode's median step from the run's traces, drawn and tabulated; hcomm's
     # modes show hcomm's operations (FSDP2: all-gathers and reduce-scatters), gloo's none
     assert "## Where each step goes (timeline)" in text and "![timeline per mode](report-timeline.svg)" in text, text
