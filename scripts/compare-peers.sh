@@ -8,10 +8,34 @@
 # COLLS (allreduce allgather reduce_scatter bcast barrier pingpong), REPS (timed repeats per
 # size, median reported), TARGET (seconds per repeat), BENCH_DIR (default ../shared/bench),
 # OUT_DIR (default results/), NOISE (busy processes running beside both hcomm and the peers,
-# for hostile conditions; default 0). The steal time of each half (/proc/stat) is printed with
-# the table. Run it while nothing else uses the cores.
+# for hostile conditions; default 0), RETRY and PER_SIZE (below). The steal time of each half
+# (/proc/stat) is printed with the table. Run it while nothing else uses the cores.
+#
+# On a VM the two vCPUs at times stop sharing a cache for seconds, and every shared-memory (and
+# loopback TCP) figure moves 2-5x with it; a round that spans such a change is flagged NOT
+# COMPARABLE. RETRY=N reruns a flagged round up to N times (all attempts are printed; the last
+# one is the round's result); PER_SIZE=1 makes each size its own round (peers, then hcomm, for
+# that size alone: a few seconds instead of tens, so fewer rounds span a change).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+RETRY=${RETRY:-0}
+PER_SIZE=${PER_SIZE:-0}
+if [ -z "${_COMPARE_ROUND:-}" ] && { [ "$RETRY" -gt 0 ] || [ "$PER_SIZE" = 1 ]; }; then
+    units=("${SIZES:-8,1m,64m}")
+    [ "$PER_SIZE" = 1 ] && IFS=, read -r -a units <<<"${SIZES:-8,1m,64m}"
+    out=$(mktemp)
+    trap 'rm -f "$out"' EXIT
+    status=0
+    for unit in "${units[@]}"; do
+        for attempt in $(seq 0 "$RETRY"); do
+            echo "# round: sizes $unit, attempt $((attempt + 1)) of at most $((RETRY + 1))"
+            _COMPARE_ROUND=1 SIZES="$unit" "$0" > "$out" || status=$?
+            cat "$out"
+            grep -q "^# NOT COMPARABLE" "$out" || break
+        done
+    done
+    exit "$status"
+fi
 BENCH_DIR=${BENCH_DIR:-$here/../shared/bench}
 PEERS=${PEERS:-"openmpi oneccl gloo"}
 RANKS=${RANKS:-2}
