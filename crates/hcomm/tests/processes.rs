@@ -216,6 +216,18 @@ fn bootstrap_errors_name_the_problem() {
             line.contains(want),
             "env {env:?}: expected '{want}' in: {line}"
         );
+        // Before failing, a rank that cannot reach the store says once (on stderr) that it
+        // keeps trying, and what it runs into (here after half of its 1 s timeout).
+        if want.contains("rendezvous") {
+            let notices = out
+                .matches("still cannot reach the rendezvous store at 127.0.0.1:")
+                .count();
+            assert_eq!(notices, 1, "{out}");
+            assert!(
+                out.contains("retrying until the timeout (1 s, HCOMM_TIMEOUT)"),
+                "{out}"
+            );
+        }
     }
 }
 

@@ -639,6 +639,21 @@ impl From<ProtocolError> for StoreError {
     }
 }
 
+/// How long [`StoreClient::connect`] fails quietly before it says, once, that it keeps trying
+/// (or half its timeout, when that is shorter).
+pub const STILL_TRYING_NOTICE: Duration = Duration::from_secs(10);
+
+/// The line [`StoreClient::connect`] prints after [`STILL_TRYING_NOTICE`] of failed attempts.
+fn still_trying(addr: &str, after: Duration, last: &str, timeout: Duration) -> String {
+    format!(
+        "hcomm: still cannot reach the rendezvous store at {addr} after {:.1} s ({last}); \
+         retrying until the timeout ({:.0} s, HCOMM_TIMEOUT). Is rank 0 running, and is the \
+         master address/port right?",
+        after.as_secs_f64(),
+        timeout.as_secs_f64()
+    )
+}
+
 /// A connection to the store.
 pub struct StoreClient {
     conn: TcpStream,
@@ -657,6 +672,7 @@ impl StoreClient {
         let start = Instant::now();
         let mut backoff = Duration::from_millis(5);
         let mut last = String::from("no address");
+        let mut told = false;
         loop {
             let addrs: Vec<SocketAddr> = match addr.to_socket_addrs() {
                 Ok(a) => a.collect(),
@@ -697,6 +713,14 @@ impl StoreClient {
                     after: timeout,
                     last,
                 });
+            }
+            if !told && start.elapsed() >= STILL_TRYING_NOTICE.min(timeout / 2) {
+                // A job that cannot form is otherwise silent until the timeout (300 s by
+                // default): say once, on stderr, what this rank keeps running into.
+                told = true;
+                let notice = still_trying(addr, start.elapsed(), &last, timeout);
+                tracing::warn!("{notice}");
+                eprintln!("{notice}");
             }
             thread::sleep(backoff.min(timeout.saturating_sub(start.elapsed())));
             backoff = (backoff * 2).min(Duration::from_millis(500));
