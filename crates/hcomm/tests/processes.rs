@@ -317,6 +317,19 @@ fn a_bootstrap_timeout_names_every_missing_rank() {
         "{}",
         every_output(&res)
     );
+    // Before the timeout, each rank said once (on stderr, after half of its 2 s) whom it waits for.
+    let told = |r: usize, what: &str| res[r].1.matches(what).count() == 1;
+    assert!(
+        told(0, "hcomm: rank 0 has waited ")
+            && told(
+                0,
+                "for rank(s) [2, 3] to join communicator 'world' (4 ranks expected)"
+            )
+            && told(1, "hcomm: rank 1 has waited ")
+            && told(1, "from rank 0, which waits for rank(s) [2, 3] to join"),
+        "{}",
+        every_output(&res)
+    );
 }
 
 /// How a survivor's error names the cause: `PeerClosed(p)`, `Timeout([p..])`, or

@@ -196,8 +196,36 @@ pub fn exchange_peer_info(
     me: &PeerInfo,
     timeout: Duration,
 ) -> Result<Vec<PeerInfo>> {
-    let deadline = Instant::now() + timeout;
+    let started = Instant::now();
+    let deadline = started + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
+    // A job that cannot form is otherwise silent until the timeout (300 s by default): after
+    // 10 s (or half the timeout) of waiting, this rank says once on stderr whom it waits for.
+    let notice_at = started + store::STILL_TRYING_NOTICE.min(timeout / 2);
+    let mut told = false;
+    let mut get_telling = |store: &mut StoreClient,
+                           key: &str,
+                           tell: &dyn Fn(&mut StoreClient) -> String|
+     -> std::result::Result<Vec<u8>, store::StoreError> {
+        if !told && notice_at < deadline {
+            match store.get(key, notice_at.saturating_duration_since(Instant::now())) {
+                Err(store::StoreError::Timeout(..)) => {
+                    told = true;
+                    let notice = format!(
+                        "hcomm: rank {rank} has waited {:.1} s {}; waiting until the timeout \
+                         ({:.0} s, HCOMM_TIMEOUT)",
+                        started.elapsed().as_secs_f64(),
+                        tell(store),
+                        timeout.as_secs_f64()
+                    );
+                    tracing::warn!("{notice}");
+                    eprintln!("{notice}");
+                }
+                done => return done,
+            }
+        }
+        store.get(key, left())
+    };
     let mine = serde_json::to_vec(&PeerInfo {
         world_size: size,
         ..me.clone()
@@ -249,8 +277,15 @@ pub fn exchange_peer_info(
             }
             Err(Error::Config(why))
         };
+        let waiting_for = |store: &mut StoreClient| {
+            let list: Vec<String> = missing(store).iter().map(|m| m.to_string()).collect();
+            format!(
+                "for rank(s) [{}] to join communicator '{comm_id}' ({size} ranks expected)",
+                list.join(", ")
+            )
+        };
         for r in 0..size {
-            let v = match store.get(&peer_key(comm_id, r), left()) {
+            let v = match get_telling(store, &peer_key(comm_id, r), &waiting_for) {
                 Ok(v) => v,
                 Err(store::StoreError::Timeout(..)) => {
                     return Err(never_joined(missing(store), ""));
@@ -276,7 +311,19 @@ pub fn exchange_peer_info(
             .map_err(store_err)?;
         Ok(all)
     } else {
-        let v = match store.get(&all_key, left()) {
+        let waiting_for = |store: &mut StoreClient| {
+            let list: Vec<String> = missing(store)
+                .iter()
+                .filter(|&&r| r != 0)
+                .map(|m| m.to_string())
+                .collect();
+            format!(
+                "for the peer list of communicator '{comm_id}' from rank 0, which waits for \
+                 rank(s) [{}] to join ({size} ranks expected)",
+                list.join(", ")
+            )
+        };
+        let v = match get_telling(store, &all_key, &waiting_for) {
             Ok(v) => v,
             Err(store::StoreError::Timeout(..)) => {
                 // Rank 0 publishes the list once every rank's record is in.
