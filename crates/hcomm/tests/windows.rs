@@ -70,6 +70,61 @@ fn get_shared_waits_for_the_allocation_and_bounds_are_checked() {
     }
 }
 
+/// A rank that maps a part its owner never allocated times out naming the owner and the call
+/// it waited for (not an internal store key).
+#[test]
+fn get_shared_of_a_rank_that_never_allocates_names_it() {
+    let res = run_threads(2, Duration::from_secs(1), |c| {
+        if c.rank() == 1 {
+            let e = c.get_shared(0).err().expect("rank 0 never allocates");
+            let text = e.to_string();
+            assert!(
+                matches!(&e, Error::Timeout { peers, .. } if peers == &[0])
+                    && text.contains("rank 0 has not called AllocateSharedMemory / alloc_shared")
+                    && !text.contains("key"),
+                "{text}"
+            );
+        } else {
+            // Rank 0 hosts the rendezvous store: it stays until rank 1 has timed out.
+            std::thread::sleep(Duration::from_millis(1600));
+        }
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
+/// A size the host cannot hold is refused with a clear error before anything is reserved (an
+/// anonymous segment has no tmpfs limit: reserving it would wake the kernel's OOM killer).
+#[test]
+fn a_segment_larger_than_the_host_is_refused() {
+    let res = run_threads(1, T, |c| {
+        for bytes in [1usize << 62, usize::MAX] {
+            for (op, r) in [
+                ("alloc_shared", c.alloc_shared(bytes).map(|_| ())),
+                ("alloc_window", c.alloc_window(bytes).map(|_| ())),
+            ] {
+                match r {
+                    Err(Error::InvalidArgument { msg, .. }) => assert!(
+                        msg.contains(&format!("{bytes} bytes of shared memory"))
+                            && msg.contains("more than this host has available"),
+                        "{op}({bytes}): {msg}"
+                    ),
+                    other => panic!("{op}({bytes}): {:?}", other.err()),
+                }
+            }
+        }
+        // The communicator is unharmed.
+        let shm = c.alloc_shared(64)?;
+        shm.write(0, b"ok")?;
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
 #[test]
 fn a_collective_window_maps_every_part() {
     let res = run_threads(3, T, |c| {

@@ -179,8 +179,39 @@ impl Window {
     }
 }
 
+/// Bytes of memory this host can still give (`MemAvailable` of `/proc/meminfo`), if known.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Refuse a segment of `bytes` that this host cannot hold. An anonymous segment is a memfd,
+/// which no tmpfs size limits: reserving more than the host has would wake the kernel's OOM
+/// killer, which may pick any process of the host, instead of failing this call.
+fn check_fits(op: &'static str, bytes: usize) -> Result<()> {
+    let Some(free) = available_memory() else {
+        return Ok(());
+    };
+    if bytes as u64 > free {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        return Err(Error::invalid(
+            op,
+            0,
+            format!(
+                "{bytes} bytes of shared memory is more than this host has available \
+                 ({:.1} GiB, MemAvailable in /proc/meminfo)",
+                gib(free)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A new anonymous segment of `bytes` usable bytes with its trailer written; returns its id.
 fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
+    check_fits(op, bytes)?;
     let seg = Segment::anonymous(segment_len(bytes))
         .map_err(|e| Error::io(crate::OpContext { op, seq: 0 }, None, e))?;
     let id = crate::base::ids::random_u64();
@@ -234,17 +265,33 @@ impl Communicator {
     /// (`GetSharedMemory`), waiting for it up to the timeout. Zero-copy, read-write.
     pub fn get_shared(&self, src_rank: usize) -> Result<SharedMemory> {
         self.check_same_host("get_shared", src_rank)?;
-        self.map_published(&format!("{}/shared/{src_rank}", self.id()), src_rank)
+        self.map_published(
+            &format!("{}/shared/{src_rank}", self.id()),
+            src_rank,
+            "get_shared",
+        )
     }
 
-    fn map_published(&self, key: &str, owner: usize) -> Result<SharedMemory> {
-        let ctx = crate::OpContext {
-            op: "get_shared",
-            seq: 0,
+    /// Map the segment `owner` publishes under `key` (for `op`: `get_shared` or
+    /// `alloc_window`), waiting for it until the communicator's timeout.
+    fn map_published(&self, key: &str, owner: usize, op: &'static str) -> Result<SharedMemory> {
+        let ctx = crate::OpContext { op, seq: 0 };
+        let call = match op {
+            "get_shared" => "AllocateSharedMemory / alloc_shared",
+            _ => op,
         };
         let deadline = Instant::now() + self.timeout();
         loop {
-            let rec = self.store_get(key, deadline)?;
+            let rec = self.store_get(key, deadline).map_err(|e| match e {
+                // Say whom this rank waited for, and for what (not the store's key).
+                Error::Timeout { after, .. } => Error::Timeout {
+                    ctx: ctx.clone(),
+                    peers: vec![owner],
+                    after,
+                    detail: format!("rank {owner} has not called {call}"),
+                },
+                other => other,
+            })?;
             let text = String::from_utf8_lossy(&rec).into_owned();
             let f: Vec<&str> = text.split(' ').collect();
             let bad = || Error::Protocol {
@@ -321,7 +368,11 @@ impl Communicator {
             if r == self.rank() {
                 parts.push(mine.take().expect("own part"));
             } else {
-                parts.push(self.map_published(&format!("{}/window{n}/{r}", self.id()), r)?);
+                parts.push(self.map_published(
+                    &format!("{}/window{n}/{r}", self.id()),
+                    r,
+                    "alloc_window",
+                )?);
             }
         }
         // Nobody frees its part before everyone has mapped it.
