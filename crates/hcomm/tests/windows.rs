@@ -76,7 +76,9 @@ fn get_shared_waits_for_the_allocation_and_bounds_are_checked() {
 fn get_shared_of_a_rank_that_never_allocates_names_it() {
     let res = run_threads(2, Duration::from_secs(1), |c| {
         if c.rank() == 1 {
-            let e = c.get_shared(0).err().expect("rank 0 never allocates");
+            let Err(e) = c.get_shared(0) else {
+                panic!("rank 0 never allocates, yet get_shared succeeded");
+            };
             let text = e.to_string();
             assert!(
                 matches!(&e, Error::Timeout { peers, .. } if peers == &[0])
