@@ -13,19 +13,36 @@ import sys
 from typing import Optional, Sequence
 
 
+def _int_from(low: int, high: Optional[int] = None):
+    """An argparse type: an int in [low, high] (argparse then names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(
+                f"{v} is not in {low}..{high}" if high is not None else f"{v} is less than {low}"
+            )
+        return v
+
+    return parse
+
+
 def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hcomm run",
         description="Start N local ranks of PROGRAM with the hcomm (and torchrun) launch variables set: "
         "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and their HCOMM_ twins.",
     )
-    p.add_argument("-n", "--nprocs", type=int, default=1, help="ranks to start on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (each runs hcomm run with its --node-rank)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    p.add_argument("-n", "--nprocs", type=_int_from(1), default=1, help="ranks to start on this node (default 1)")
+    p.add_argument("--nnodes", type=_int_from(1), default=1, help="number of nodes (each runs hcomm run with its --node-rank)")
+    p.add_argument("--node-rank", type=_int_from(0), default=0, help="this node's index")
     p.add_argument("--master", help="rendezvous address HOST:PORT (default 127.0.0.1 and a free port)")
-    p.add_argument("--port", type=int, help="master port (alternative to --master)")
+    p.add_argument("--port", type=_int_from(1, 65535), help="master port (alternative to --master)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("--grace-ms", type=int, default=3000, help="milliseconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--grace-ms", type=_int_from(0), default=3000, help="milliseconds between SIGTERM and SIGKILL when stopping ranks")
     p.add_argument("--keep-going", action="store_true", help="a rank killed by a signal does not stop the others (fault-tolerant programs that shrink)")
     p.add_argument(
         "--bind",
@@ -53,8 +70,8 @@ def run(argv: Sequence[str]) -> int:
     port: Optional[int] = a.port
     if a.master:
         host, sep, p = a.master.rpartition(":")
-        if not sep or not p.isdigit() or not host:
-            print(f"hcomm run: --master must be HOST:PORT, got '{a.master}'", file=sys.stderr)
+        if not sep or not p.isdigit() or not host or not 1 <= int(p) <= 65535:
+            print(f"hcomm run: --master must be HOST:PORT (port 1..65535), got '{a.master}'", file=sys.stderr)
             return 2
         addr, port = host, int(p)
     try:

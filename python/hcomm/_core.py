@@ -9,6 +9,7 @@ for as long as an operation uses them.
 from __future__ import annotations
 
 import gc
+import operator
 import os
 import threading
 import weakref
@@ -55,6 +56,33 @@ def _empty(like: Any, shape: Sequence[int]) -> Any:
     import numpy as np
 
     return np.empty(tuple(shape), dtype=like.dtype)
+
+
+def _int(op: str, name: str, value: Any) -> int:
+    """`value` (an int, or a numpy integer) as a non-negative int; else a TypeError or
+    InvalidArgumentError naming the argument (not the binding's bare conversion error)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{op}: {name} must be an int, not {type(value).__name__} ({value!r})")
+    v = operator.index(value)
+    if v < 0:
+        raise InvalidArgumentError(f"{op}: {name} must not be negative, got {v}")
+    return v
+
+
+def _ints(op: str, name: str, values: Any) -> list[int]:
+    """A sequence of non-negative ints, checked as :func:`_int` checks one."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{op}: {name} must be a sequence of ints, not {type(values).__name__} ({values!r})")
+    return [_int(op, f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def _op(op: str, value: Any) -> str:
+    """The reduction `value` names, which must be a string; else a TypeError naming `op`."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{op}: op must be a string ('sum', 'prod', 'min', 'max' or 'mean'), not {type(value).__name__} ({value!r})"
+        )
+    return value
 
 
 def _dim(op: str, dim: int, ndim: int) -> int:
@@ -764,6 +792,7 @@ class Communicator:
 
     def _all_reduce(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
         _check_tensor("all_reduce", "tensor", tensor)
+        op = _op("all_reduce", op)
         if out is not None:
             out = _check_out("all_reduce", out, tensor, _shape(tensor))
             return self._finish(self._c.all_reduce(tensor, out, op, a), out, (tensor, out))
@@ -810,6 +839,7 @@ class Communicator:
     def _reduce_scatter(self, tensor: Any, op: str, out: Any, a: bool) -> Any:
         name = "reduce_scatter"
         _check_tensor(name, "tensor", tensor)
+        op = _op(name, op)
         shape = list(_shape(tensor))
         _dim(name, 0, len(shape))
         w = self.world_size
@@ -835,16 +865,17 @@ class Communicator:
         """Copy `root_rank`'s `tensor` into every rank's `tensor` (in place; same shape
         everywhere). Returns `tensor`."""
         _check_tensor("broadcast", "tensor", tensor)
-        self._c.broadcast(tensor, root_rank)
+        self._c.broadcast(tensor, _int("broadcast", "root_rank", root_rank))
         return tensor
 
     def broadcast_async(self, tensor: Any, root_rank: int = 0) -> Work:
         """:meth:`broadcast` in the background; ``wait()`` returns `tensor`."""
         _check_tensor("broadcast", "tensor", tensor)
-        return Work(self._c.broadcast(tensor, root_rank, True), tensor, (tensor,))
+        return Work(self._c.broadcast(tensor, _int("broadcast", "root_rank", root_rank), True), tensor, (tensor,))
 
     def _reduce(self, tensor: Any, op: str, root_rank: int, out: Any, a: bool) -> Any:
         _check_tensor("reduce", "tensor", tensor)
+        op, root_rank = _op("reduce", op), _int("reduce", "root_rank", root_rank)
         is_root = self.rank == root_rank
         if out is not None:
             if is_root:
@@ -867,6 +898,7 @@ class Communicator:
     def _gather(self, tensor: Any, root_rank: int, dim: int, out: Any, a: bool) -> Any:
         op = "gather"
         _check_tensor(op, "tensor", tensor)
+        root_rank = _int(op, "root_rank", root_rank)
         shape = list(_shape(tensor))
         d = _dim(op, dim, len(shape))
         w = self.world_size
@@ -893,6 +925,7 @@ class Communicator:
 
     def _scatter(self, tensor: Any, root_rank: int, out: Any, a: bool) -> Any:
         op = "scatter"
+        root_rank = _int(op, "root_rank", root_rank)
         is_root = self.rank == root_rank
         if tensor is None:
             if is_root or out is None:
@@ -935,7 +968,7 @@ class Communicator:
             return self._finish(self._c.all_to_all(tensor, out, None, None, a), out, (tensor, out))
         if send_counts is None or recv_counts is None:
             raise InvalidArgumentError(f"{op}: give both send_counts and recv_counts, or neither")
-        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        send_counts, recv_counts = _ints(op, "send_counts", send_counts), _ints(op, "recv_counts", recv_counts)
         if sum(send_counts) != shape[0]:
             raise InvalidArgumentError(f"{op}: send_counts add up to {sum(send_counts)} rows, the tensor has {shape[0]}")
         out = _check_out(op, out, tensor, [sum(recv_counts)] + shape[1:])
@@ -977,6 +1010,7 @@ class Communicator:
 
     def _all_reduce_compressed(self, tensor: Any, compressor: Optional[str], state: "Optional[CompressionState]", op: str, a: bool) -> Any:
         _check_tensor("all_reduce_compressed", "tensor", tensor)
+        op = _op("all_reduce_compressed", op)
         state = _compression_state(compressor, state)
         engine = self._c.all_reduce_compressed(tensor, state._s, op, a)
         return self._finish(engine, tensor, (tensor, state))
@@ -1019,6 +1053,7 @@ class Communicator:
                                    a: bool) -> Any:
         name = "reduce_scatter_compressed"
         _check_tensor(name, "tensor", tensor)
+        op = _op(name, op)
         state = _compression_state(compressor, state, name)
         shape = list(_shape(tensor))
         _dim(name, 0, len(shape))
@@ -1070,6 +1105,7 @@ class Communicator:
 
     def _sparse_all_reduce(self, tensor: Any, values: Any, op: str, a: bool) -> Any:
         name = "sparse_all_reduce"
+        op = _op(name, op)
         coo = values is None and _is_torch(tensor) and getattr(tensor, "is_sparse", False)
         if coo:
             import torch
@@ -1192,7 +1228,7 @@ class Communicator:
         buckets of up to `cap_bytes`: the results are those of one all_reduce per tensor, with
         a few collectives instead of one per tensor. Returns the tensors."""
         tensors = list(tensors)
-        f = Fusion(self, op, cap_bytes, cap_bytes, max(cap_bytes, 1 << 20))
+        f = Fusion(self, _op("all_reduce_coalesced", op), cap_bytes, cap_bytes, max(cap_bytes, 1 << 20))
         for t in tensors:
             f.push(t)
         f.finish()
@@ -1203,36 +1239,36 @@ class Communicator:
     def send(self, tensor: Any, dst_rank: int, tag: int = 0) -> None:
         """Send `tensor` to `dst_rank` under `tag` (messages match by (rank, tag))."""
         _check_tensor("send", "tensor", tensor)
-        self._c.send(dst_rank, tag, tensor)
+        self._c.send(_int("send", "dst_rank", dst_rank), _int("send", "tag", tag), tensor)
 
     def recv(self, tensor: Any, src_rank: int, tag: int = 0) -> Any:
         """Receive the message `src_rank` sent with `tag` into `tensor` (in place; sizes must
         match) and return `tensor`."""
         _check_tensor("recv", "tensor", tensor)
-        self._c.recv(src_rank, tag, tensor)
+        self._c.recv(_int("recv", "src_rank", src_rank), _int("recv", "tag", tag), tensor)
         return tensor
 
     def send_async(self, tensor: Any, dst_rank: int, tag: int = 0) -> Work:
         """:meth:`send` in the background."""
         _check_tensor("send", "tensor", tensor)
-        return Work(self._c.send(dst_rank, tag, tensor, True), None, (tensor,))
+        return Work(self._c.send(_int("send", "dst_rank", dst_rank), _int("send", "tag", tag), tensor, True), None, (tensor,))
 
     def recv_async(self, tensor: Any, src_rank: int, tag: int = 0) -> Work:
         """:meth:`recv` in the background; ``wait()`` returns `tensor`."""
         _check_tensor("recv", "tensor", tensor)
-        return Work(self._c.recv(src_rank, tag, tensor, True), tensor, (tensor,))
+        return Work(self._c.recv(_int("recv", "src_rank", src_rank), _int("recv", "tag", tag), tensor, True), tensor, (tensor,))
 
     def recv_any(self, tensor: Any, tag: int = 0) -> int:
         """Receive into `tensor` the first message with `tag` that arrives from any rank
         (MPI's ``MPI_ANY_SOURCE``); returns the sender's rank. Receives posted for that rank
         and tag before it are served first."""
         _check_tensor("recv_any", "tensor", tensor)
-        return self._c.recv_any(tag, tensor)
+        return self._c.recv_any(_int("recv_any", "tag", tag), tensor)
 
     def recv_any_async(self, tensor: Any, tag: int = 0) -> Work:
         """:meth:`recv_any` in the background; ``wait()`` returns ``(sender rank, tensor)``."""
         _check_tensor("recv_any", "tensor", tensor)
-        engine = self._c.recv_any(tag, tensor, True)
+        engine = self._c.recv_any(_int("recv_any", "tag", tag), tensor, True)
         return Work(engine, None, (tensor,), lambda: (engine.source_rank(), tensor))
 
     def send_recv(self, send: Any, dst_rank: int, recv: Any, src_rank: int, tag: int = 0) -> Any:
@@ -1240,25 +1276,26 @@ class Communicator:
         (no deadlock when two ranks exchange). Returns `recv`."""
         _check_tensor("send_recv", "send", send)
         _check_tensor("send_recv", "recv", recv)
-        self._c.send_recv(dst_rank, send, src_rank, recv, tag)
+        o = "send_recv"
+        self._c.send_recv(_int(o, "dst_rank", dst_rank), send, _int(o, "src_rank", src_rank), recv, _int(o, "tag", tag))
         return recv
 
     def create_connection(self, dst_rank: int, tag: int = 0) -> Connection:
         """Open a connection to `dst_rank` under `tag` (both ranks call it)."""
-        return Connection(self._c.connect(dst_rank, tag))
+        return Connection(self._c.connect(_int("connect", "dst_rank", dst_rank), _int("connect", "tag", tag)))
 
     def signal(self, dst_rank: int, tag: int = 0) -> None:
         """Post a signal to `dst_rank` (does not wait). Signals are counted: each
         :meth:`wait` consumes one."""
-        self._c.signal(dst_rank, tag)
+        self._c.signal(_int("signal", "dst_rank", dst_rank), _int("signal", "tag", tag))
 
     def wait(self, src_rank: int, tag: int = 0) -> None:
         """Wait for a signal from `src_rank` with `tag`."""
-        self._c.wait_signal(src_rank, tag)
+        self._c.wait_signal(_int("wait_signal", "src_rank", src_rank), _int("wait_signal", "tag", tag))
 
     def wait_async(self, src_rank: int, tag: int = 0) -> Work:
         """:meth:`wait` in the background: the Work completes when the signal has come."""
-        return Work(self._c.wait_signal(src_rank, tag, True))
+        return Work(self._c.wait_signal(_int("wait_signal", "src_rank", src_rank), _int("wait_signal", "tag", tag), True))
 
     # -- shared memory ---------------------------------------------------------------------
 
@@ -1267,27 +1304,26 @@ class Communicator:
         Per rank, not collective."""
         if flags not in ("read_write", "read_only"):
             raise InvalidArgumentError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
-        if int(size) < 0:
-            raise InvalidArgumentError(f"size must be non-negative, got {size}")
-        return SharedMemory(self._c.alloc_shared(int(size)), flags)
+        return SharedMemory(self._c.alloc_shared(_int("alloc_shared", "size", size)), flags)
 
     def get_shared_memory(self, src_rank: int, flags: str = "read_write") -> SharedMemory:
         """Map the shared memory `src_rank` allocated (waiting for it up to the timeout)."""
         if flags not in ("read_write", "read_only"):
             raise InvalidArgumentError(f"flags must be 'read_write' or 'read_only', got {flags!r}")
-        return SharedMemory(self._c.get_shared(src_rank), flags)
+        return SharedMemory(self._c.get_shared(_int("get_shared", "src_rank", src_rank)), flags)
 
     # -- groups ----------------------------------------------------------------------------
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Split into sub-communicators (collective): ranks with the same `color` form one,
         ordered by (key, rank); color=None leaves this rank out (returns None)."""
-        c = self._c.split(color, key)
+        c = self._c.split(None if color is None else _int("split", "color", color), _int("split", "key", key))
         return None if c is None else Communicator(c, f"{self.name}/split{color}")
 
     def new_group(self, ranks: Sequence[int]) -> "Communicator":
         """A communicator of `ranks` (in that order). Only they call it, with the same list."""
-        return Communicator(self._c.new_group(list(ranks)), f"{self.name}/group{list(ranks)}")
+        ranks = _ints("new_group", "ranks", ranks)
+        return Communicator(self._c.new_group(ranks), f"{self.name}/group{ranks}")
 
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +108,58 @@ def test_library_argument_errors_are_invalid_argument_errors(comm):
     # not fatal: the communicator still works
     a = np.ones(3)
     comm.all_reduce(a)
+
+
+def test_integer_and_op_arguments_are_checked_by_name(comm):
+    """Ranks, tags, counts, sizes, colors and keys: a negative value is an InvalidArgumentError
+    naming the argument, a value of the wrong type a TypeError naming it (not the binding's
+    bare OverflowError or conversion error); numpy integers are ints."""
+    for call, match in [
+        (lambda: comm.broadcast(np.ones(3), root_rank=-1), "broadcast: root_rank must not be negative, got -1"),
+        (lambda: comm.reduce(np.ones(3), root_rank=-2), "reduce: root_rank must not be negative"),
+        (lambda: comm.gather(np.ones(3), root_rank=-1), "gather: root_rank"),
+        (lambda: comm.scatter(np.ones(3), root_rank=-1), "scatter: root_rank"),
+        (lambda: comm.all_to_all(np.ones(4), send_counts=[5, -1], recv_counts=[4, 0]), r"send_counts\[1\] must not be negative"),
+        (lambda: comm.send(np.ones(3), dst_rank=-1), "send: dst_rank"),
+        (lambda: comm.recv(np.ones(3), src_rank=0, tag=-3), "recv: tag must not be negative"),
+        (lambda: comm.signal(-1), "signal: dst_rank"),
+        (lambda: comm.split(color=-5), "split: color must not be negative"),
+        (lambda: comm.new_group([0, -1]), r"new_group: ranks\[1\]"),
+        (lambda: comm.allocate_shared_memory(-1), "alloc_shared: size must not be negative"),
+        # more than the host can hold: refused, not reserved (that would wake the OOM killer)
+        (lambda: comm.allocate_shared_memory(1 << 62), "more than this host has available"),
+    ]:
+        with pytest.raises(hcomm.InvalidArgumentError, match=match):
+            call()
+    for call, match in [
+        (lambda: comm.all_reduce(np.ones(3), op=3), "all_reduce: op must be a string"),
+        (lambda: comm.reduce_scatter(np.ones(3), op=None), "reduce_scatter: op must be a string"),
+        (lambda: comm.broadcast(np.ones(3), root_rank="0"), "broadcast: root_rank must be an int, not str"),
+        (lambda: comm.broadcast(np.ones(3), root_rank=1.0), "root_rank must be an int, not float"),
+        (lambda: comm.broadcast(np.ones(3), root_rank=None), "root_rank must be an int, not NoneType"),
+        (lambda: comm.send(np.ones(3), dst_rank=0, tag=True), "send: tag must be an int, not bool"),
+        (lambda: comm.all_to_all(np.ones(4), send_counts=4, recv_counts=[4]), "send_counts must be a sequence of ints"),
+        (lambda: comm.allocate_shared_memory(1.5), "size must be an int, not float"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            call()
+    a = np.ones(3)
+    assert comm.broadcast(a, root_rank=np.int64(0)) is a
+    comm.all_reduce(a)  # not fatal: the communicator still works
+
+
+def test_python_launcher_refuses_out_of_range_numbers():
+    """`python -m hcomm run` names the option and the range, with no traceback."""
+    for args, want in [
+        (["-n", "-1"], "argument -n/--nprocs: -1 is less than 1"),
+        (["--nnodes", "0"], "argument --nnodes: 0 is less than 1"),
+        (["--port", "70000"], "argument --port: 70000 is not in 1..65535"),
+        (["--port", "-5"], "argument --port: -5 is not in 1..65535"),
+        (["--grace-ms", "-1"], "argument --grace-ms: -1 is less than 0"),
+        (["--master", "h:70000"], "--master must be HOST:PORT (port 1..65535)"),
+    ]:
+        p = subprocess.run([sys.executable, "-m", "hcomm", "run", *args, "true"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and want in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
 
 
 FORK_CHILD_EXITS = """
