@@ -948,8 +948,86 @@ fn cmd_bench_compression(a: BenchArgs) -> ExitCode {
     )
 }
 
+/// `hcomm bench`'s options for one of the collectives (not fusion or compression), checked
+/// before any rank starts, so that a bad value is reported once.
+fn bench_opts(a: &BenchArgs) -> Result<BenchOpts, String> {
+    let dtype: DType = a.dtype.parse()?;
+    if a.max_bytes < a.min_bytes {
+        return Err(format!(
+            "-e {} is below -b {}: the largest size must be at least the smallest",
+            a.max_bytes, a.min_bytes
+        ));
+    }
+    for (flag, bytes) in [("-b", a.min_bytes), ("-e", a.max_bytes)] {
+        if !bytes.is_multiple_of(dtype.size()) {
+            return Err(format!(
+                "{flag} {bytes}: not a whole number of {dtype} elements ({} bytes each)",
+                dtype.size()
+            ));
+        }
+    }
+    if a.factor < 2 && a.max_bytes > a.min_bytes {
+        return Err(format!(
+            "-f {}: the size factor must be at least 2 to go from -b {} to -e {} (or give -b equal to -e)",
+            a.factor, a.min_bytes, a.max_bytes
+        ));
+    }
+    if a.iters == 0 && a.target <= 0.0 {
+        return Err("-n 0: at least one timed iteration (or --target SECONDS)".into());
+    }
+    if a.reps == 0 {
+        return Err("--reps 0: at least one timed repeat".into());
+    }
+    Ok(BenchOpts {
+        op: BenchOp::parse(&a.op).ok_or(format!("unknown operation '{}'", a.op))?,
+        min_bytes: a.min_bytes,
+        max_bytes: a.max_bytes,
+        factor: a.factor,
+        warmup: a.warmup,
+        iters: a.iters,
+        check: a.check != 0,
+        dtype,
+        redop: a.redop.parse()?,
+        root: a.root,
+        algo: a.algo.parse::<Algo>()?,
+        target_secs: a.target,
+        reps: a.reps,
+        window: a.window,
+        noise: std::env::var(hcomm_cli::workers::NOISE_VAR)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    })
+}
+
 fn cmd_bench(a: BenchArgs) -> ExitCode {
     if let (Some(np), false) = (a.np, in_job()) {
+        // Report a bad option once, here, rather than once per rank after they start.
+        if a.op != "fusion" && a.op != "compression" {
+            let out = bench::Output {
+                json: a.json,
+                plot: a.plot.clone(),
+                results: a.results.clone(),
+            };
+            let checked = out
+                .check_paths()
+                .and_then(|()| bench_opts(&a))
+                .and_then(|o| {
+                    if np == 0 {
+                        Err("--np 0: at least one rank".into())
+                    } else if o.op == BenchOp::SendRecv && np < 2 {
+                        Err(format!("sendrecv needs at least 2 ranks (--np {np})"))
+                    } else if o.root >= np {
+                        Err(format!("root {} is out of range for {np} ranks", o.root))
+                    } else {
+                        Ok(())
+                    }
+                });
+            if let Err(e) = checked {
+                hcomm_cli::say!("hcomm bench: {e}");
+                return ExitCode::from(2);
+            }
+        }
         let noise = match hcomm_cli::workers::start_noise(a.noise) {
             Ok(n) => n,
             Err(e) => {
@@ -987,44 +1065,7 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
         plot: a.plot.clone(),
         results: a.results.clone(),
     };
-    let parsed = (|| -> Result<BenchOpts, String> {
-        out.check_paths()?;
-        let dtype: DType = a.dtype.parse()?;
-        if a.max_bytes < a.min_bytes {
-            return Err(format!(
-                "-e {} is below -b {}: the largest size must be at least the smallest",
-                a.max_bytes, a.min_bytes
-            ));
-        }
-        for (flag, bytes) in [("-b", a.min_bytes), ("-e", a.max_bytes)] {
-            if !bytes.is_multiple_of(dtype.size()) {
-                return Err(format!(
-                    "{flag} {bytes}: not a whole number of {dtype} elements ({} bytes each)",
-                    dtype.size()
-                ));
-            }
-        }
-        Ok(BenchOpts {
-            op: BenchOp::parse(&a.op).ok_or(format!("unknown operation '{}'", a.op))?,
-            min_bytes: a.min_bytes,
-            max_bytes: a.max_bytes,
-            factor: a.factor,
-            warmup: a.warmup,
-            iters: a.iters,
-            check: a.check != 0,
-            dtype,
-            redop: a.redop.parse()?,
-            root: a.root,
-            algo: a.algo.parse::<Algo>()?,
-            target_secs: a.target,
-            reps: a.reps,
-            window: a.window,
-            noise: std::env::var(hcomm_cli::workers::NOISE_VAR)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        })
-    })();
+    let parsed = out.check_paths().and_then(|()| bench_opts(&a));
     let o = match parsed {
         Ok(o) => o,
         Err(e) => {
@@ -1045,6 +1086,10 @@ fn cmd_bench(a: BenchArgs) -> ExitCode {
             o.root,
             comm.world_size()
         );
+        return ExitCode::from(2);
+    }
+    if o.op == BenchOp::SendRecv && comm.world_size() < 2 {
+        hcomm_cli::say!("hcomm bench: sendrecv needs at least 2 ranks (this job has 1)");
         return ExitCode::from(2);
     }
     match bench::run(&comm, &o, &out) {
