@@ -975,9 +975,14 @@ impl RankTable {
 
     /// Parses and validates a rank table from JSON text.
     pub fn parse(json: &str) -> Result<Self, ConfigError> {
-        let table: RankTable = match serde_json::from_str(json) {
+        // serde_path_to_error: a schema error names the field (`master.port`, `ranks[1].rank`),
+        // not only where in the text it is.
+        let deserializer = &mut serde_json::Deserializer::from_str(json);
+        let table: RankTable = match serde_path_to_error::deserialize(deserializer) {
             Ok(t) => t,
             Err(e) => {
+                let field = e.path().to_string();
+                let e = e.into_inner();
                 // Another version may have another schema: report the version,
                 // not a field error that follows from it.
                 if let Ok(serde_json::Value::Object(map)) = serde_json::from_str(json) {
@@ -992,8 +997,13 @@ impl RankTable {
                 let full = e.to_string();
                 let message = full
                     .strip_suffix(&format!(" at line {line} column {column}"))
-                    .unwrap_or(&full)
-                    .to_string();
+                    .unwrap_or(&full);
+                // A syntax error has no field ("."), nor does a missing top-level one.
+                let message = if field.is_empty() || field == "." || !e.is_data() {
+                    message.to_string()
+                } else {
+                    format!("{field}: {message}")
+                };
                 return Err(ConfigError::RankTableJson {
                     path: None,
                     line,

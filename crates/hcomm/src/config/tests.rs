@@ -710,10 +710,15 @@ fn rank_table_unknown_field() {
 fn rank_table_missing_and_mistyped_fields() {
     let e = table_err_text(&edit("\"world_size\": 4,", ""));
     assert_contains(&e, &["missing field `world_size`"]);
+    // A value of the wrong type or range names its field, not only its place in the text.
     let e = table_err_text(&edit("\"port\": 29500", "\"port\": 70000"));
-    assert_contains(&e, &["70000", "u16"]);
+    assert_contains(&e, &["master.port: invalid value", "70000", "u16"]);
+    let e = table_err_text(&edit("\"world_size\": 4", "\"world_size\": \"4\""));
+    assert_contains(&e, &["world_size: invalid type: string \"4\""]);
     let e = table_err_text(&edit("\"transport\": \"tcp\"", "\"transport\": \"rdma\""));
-    assert_contains(&e, &["rdma", "auto"]);
+    assert_contains(&e, &["transport: ", "rdma", "auto"]);
+    let e = table_err_text(&edit("{ \"rank\": 2,", "{ \"rank\": -2,"));
+    assert_contains(&e, &["ranks[1].rank: invalid value: integer `-2`"]);
 }
 
 #[test]
