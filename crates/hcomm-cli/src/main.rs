@@ -184,8 +184,8 @@ struct RunArgs {
     /// A rank killed by a signal does not stop the others (fault-tolerant programs that shrink).
     #[arg(long)]
     keep_going: bool,
-    /// Master port (alternative to --master).
-    #[arg(long)]
+    /// Master port, 1-65535 (alternative to --master).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     port: Option<u16>,
     /// CPU placement: spread (each rank its own share of the CPUs, when ranks do not
     /// outnumber them) or none (the scheduler's).

@@ -482,6 +482,10 @@ fn bad_input_is_rejected_with_a_message() {
             &["bench", "allreduce", "-np", "2", "-o", "xor"][..],
             "unknown reduce op 'xor'",
         ),
+        (
+            &["run", "--port", "0", "-n", "1", "true"][..],
+            "0 is not in 1..=65535",
+        ),
     ] {
         let (code, _, err) = hcomm(args, Duration::from_secs(30));
         assert_eq!(code, Some(2), "{args:?}: {err}");

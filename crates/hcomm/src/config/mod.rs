@@ -843,7 +843,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err("empty duration (expected e.g. 30, 2.5, 500ms, 30s, 2m, 1h)".into());
     }
     if t.starts_with('-') {
-        return Err(format!("'{t}' is negative; a duration must not be"));
+        return Err(format!(
+            "'{t}' is negative: a duration must be greater than zero"
+        ));
     }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))

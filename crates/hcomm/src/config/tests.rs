@@ -576,6 +576,10 @@ fn parse_duration_rejects() {
     assert!(parse_duration("99999999999999999999999h")
         .unwrap_err()
         .contains("too large"));
+    assert_eq!(
+        parse_duration("-5").unwrap_err(),
+        "'-5' is negative: a duration must be greater than zero"
+    );
 }
 
 // ---- rank table ----
