@@ -923,7 +923,8 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
             comm.world_size(),
             o.dtype,
             o.redop,
-            o.root,
+            // as the rows: -1 for an operation without a root (nccl-tests' convention)
+            if o.op.rooted() { o.root as i64 } else { -1 },
             o.warmup,
             o.reps.max(1),
             o.check
