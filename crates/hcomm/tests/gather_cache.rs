@@ -188,11 +188,27 @@ fn ranks_that_disagree_fail_and_say_why() {
         }
         gather(&c, 0, &[0, 0], false).map(|_| ())
     });
-    for (r, res) in results.iter().enumerate() {
-        let e = res
-            .as_ref()
-            .expect_err("a keeping and a plain all-gather cannot meet");
-        assert!(e.to_string().contains("gather-cache"), "rank {r}: {e}");
+    // The rank that finds the mismatch says why; the other finds it too, or (when the
+    // finder's report arrives first) fails with that report, naming the finder.
+    let texts: Vec<String> = results
+        .iter()
+        .map(|res| {
+            res.as_ref()
+                .expect_err("a keeping and a plain all-gather cannot meet")
+                .to_string()
+        })
+        .collect();
+    assert!(
+        texts.iter().any(|t| t.contains("gather-cache")),
+        "{texts:?}"
+    );
+    for (r, t) in texts.iter().enumerate() {
+        let reported = format!("rank {} reported an error: rank ", 1 - r);
+        assert!(
+            t.contains("gather-cache")
+                || (t.contains(&reported) && t.contains("called a different collective")),
+            "rank {r}: {t}"
+        );
     }
 
     // Rank 1 dropped what it kept (off and on again), rank 0 did not: rank 0's reference to a
