@@ -53,10 +53,15 @@ def test_whole_suite_against_gloo(n):
         "--per-test", "90", "--total", "400", limit=860,
     )  # fmt: skip
     assert rc == 0, out[-8000:]
-    runs = dict(re.findall(r"^(hcomm|gloo): (\d+) passed, 0 failed", out, re.M))
-    assert set(runs) == {"hcomm", "gloo"}, out[-8000:]
+    runs = {b: (int(p), int(f)) for b, p, f in re.findall(r"^(hcomm|gloo): (\d+) passed, (\d+) failed", out, re.M)}
+    assert set(runs) == {"hcomm", "gloo"} and runs["hcomm"][1] == 0, out[-8000:]
+    # gloo itself may fail a test now and then on 2 cores (seen once: a subgroup test at 4
+    # ranks); that is gloo's, reported, and hcomm must pass every such test
+    gloo_only = re.findall(r"^  (\S+): hcomm passed, gloo failed$", out, re.M)
+    assert runs["gloo"][1] <= 2 and len(gloo_only) == runs["gloo"][1], out[-8000:]
     # the suite really ran (about 90 pass on gloo here; a broken harness passes nothing)
-    assert int(runs["gloo"]) >= 80 and int(runs["hcomm"]) == int(runs["gloo"]) - 2, out[-8000:]
+    gloo_passed, gloo_failed = runs["gloo"]
+    assert gloo_passed >= 80 and runs["hcomm"][0] == gloo_passed + gloo_failed - 2, out[-8000:]
     assert "passed on gloo, not on hcomm: 0 (and 2 left out: CANNOT_PASS)" in out, out[-8000:]
 
 
