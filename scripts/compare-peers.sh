@@ -16,22 +16,35 @@
 # COMPARABLE. RETRY=N reruns a flagged round up to N times (all attempts are printed; the last
 # one is the round's result); PER_SIZE=1 makes each size its own round (peers, then hcomm, for
 # that size alone: a few seconds instead of tens, so fewer rounds span a change).
+#
+# ROUNDS=N runs every round N times, alternating which half goes first (peers first in the odd
+# rounds, hcomm first in the even ones): whichever library runs second inherits the cache and
+# frequency state the first left, so a single order would favour one side.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 RETRY=${RETRY:-0}
 PER_SIZE=${PER_SIZE:-0}
-if [ -z "${_COMPARE_ROUND:-}" ] && { [ "$RETRY" -gt 0 ] || [ "$PER_SIZE" = 1 ]; }; then
+ROUNDS=${ROUNDS:-1}
+if ! [[ "$RETRY" =~ ^[0-9]+$ && "$ROUNDS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "compare-peers: RETRY must be a whole number and ROUNDS at least 1 (got RETRY=$RETRY ROUNDS=$ROUNDS)" >&2
+    exit 2
+fi
+if [ -z "${_COMPARE_ROUND:-}" ] && { [ "$RETRY" -gt 0 ] || [ "$PER_SIZE" = 1 ] || [ "$ROUNDS" -gt 1 ]; }; then
     units=("${SIZES:-8,1m,64m}")
     [ "$PER_SIZE" = 1 ] && IFS=, read -r -a units <<<"${SIZES:-8,1m,64m}"
     out=$(mktemp)
     trap 'rm -f "$out"' EXIT
     status=0
-    for unit in "${units[@]}"; do
-        for attempt in $(seq 0 "$RETRY"); do
-            echo "# round: sizes $unit, attempt $((attempt + 1)) of at most $((RETRY + 1))"
-            _COMPARE_ROUND=1 SIZES="$unit" "$0" > "$out" || status=$?
-            cat "$out"
-            grep -q "^# NOT COMPARABLE" "$out" || break
+    for round in $(seq 1 "$ROUNDS"); do
+        first=peers
+        [ $((round % 2)) = 0 ] && first=hcomm
+        for unit in "${units[@]}"; do
+            for attempt in $(seq 0 "$RETRY"); do
+                echo "# round $round of $ROUNDS ($first first): sizes $unit, attempt $((attempt + 1)) of at most $((RETRY + 1))"
+                _COMPARE_ROUND=1 _COMPARE_FIRST=$first SIZES="$unit" "$0" > "$out" || status=$?
+                cat "$out"
+                grep -q "^# NOT COMPARABLE" "$out" || break
+            done
         done
     done
     exit "$status"
@@ -81,13 +94,15 @@ cross_core() {
         sed -n 's/^# cross-core: .* in \([0-9.]*\) µs.*/\1/p' | head -1
 }
 
-echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS, noise $NOISE)" >&2
-cc_peers=$(cross_core)
-peer_start=$(cpu_sample)
-BENCH_BUILD="$OUT_DIR/peer-build" BENCH_RESULTS="$OUT_DIR" PEERS="$PEERS" RANKS="$RANKS" \
-    TRANSPORTS="$TRANSPORT" SIZES="$SIZES" COLLS="${COLLS// /,}" REPS="$REPS" TARGET="$TARGET" RUNS=1 \
-    "$BENCH_DIR/peers.sh" > "$OUT_DIR/peers-$stamp.txt"
-peer_steal=$(steal_since "$peer_start")
+run_peers() {
+    echo "[compare] peers: $PEERS (ranks $RANKS, $TRANSPORT, sizes $SIZES, colls $COLLS, noise $NOISE)" >&2
+    local start
+    start=$(cpu_sample)
+    BENCH_BUILD="$OUT_DIR/peer-build" BENCH_RESULTS="$OUT_DIR" PEERS="$PEERS" RANKS="$RANKS" \
+        TRANSPORTS="$TRANSPORT" SIZES="$SIZES" COLLS="${COLLS// /,}" REPS="$REPS" TARGET="$TARGET" RUNS=1 \
+        "$BENCH_DIR/peers.sh" > "$OUT_DIR/peers-$stamp.txt"
+    peer_steal=$(steal_since "$start")
+}
 
 # hcomm runs in a private loopback-only network namespace too, as peers.sh runs the peers.
 runner=()
@@ -113,27 +128,38 @@ hcomm_op() {
         bcast) echo broadcast ;; barrier) echo barrier ;; pingpong) echo sendrecv ;; *) echo "$1" ;;
     esac
 }
-cc_hcomm=$(cross_core)
 json="$OUT_DIR/hcomm-$stamp.jsonl"
-: > "$json"
-echo "[compare] hcomm" >&2
-hcomm_start=$(cpu_sample)
-for coll in ${COLLS//,/ }; do
-    for size in ${SIZES//,/ }; do
-        b=$(to_bytes "$size")
-        [ "$coll" = barrier ] && b=0
-        "${runner[@]}" "$hcomm" bench "$(hcomm_op "$coll")" -np "$RANKS" -b "$b" -e "$b" -w 5 \
-            --transport "$TRANSPORT" --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
+run_hcomm() {
+    : > "$json"
+    echo "[compare] hcomm" >&2
+    local start coll size b
+    start=$(cpu_sample)
+    for coll in ${COLLS//,/ }; do
+        for size in ${SIZES//,/ }; do
+            b=$(to_bytes "$size")
+            [ "$coll" = barrier ] && b=0
+            "${runner[@]}" "$hcomm" bench "$(hcomm_op "$coll")" -np "$RANKS" -b "$b" -e "$b" -w 5 \
+                --transport "$TRANSPORT" --target "$TARGET" --reps "$REPS" -c 1 --json | sed "s/^{/{\"coll\":\"$coll\",/" >> "$json"
+        done
     done
-done
+    hcomm_steal=$(steal_since "$start")
+}
 
-hcomm_steal=$(steal_since "$hcomm_start")
+# The two halves, peers first unless ROUNDS made this an hcomm-first round; the cross-core turn
+# before each and after both.
+first=${_COMPARE_FIRST:-peers}
+second=hcomm
+[ "$first" = hcomm ] && second=peers
+cc_first=$(cross_core)
+"run_$first"
+cc_second=$(cross_core)
+"run_$second"
 cc_end=$(cross_core)
-echo "# conditions: $NOISE busy process(es) beside the ranks; steal time $peer_steal% while the peers ran, $hcomm_steal% while hcomm ran (/proc/stat)"
-echo "# cross-core turn (256 KiB written on one CPU, read on another): ${cc_peers:-?} µs before the peers, ${cc_hcomm:-?} before hcomm, ${cc_end:-?} after; a jump of 3x or more means the VM's CPUs stopped sharing a cache meanwhile, and shared-memory times are not comparable"
+echo "# conditions: $NOISE busy process(es) beside the ranks; steal time $peer_steal% while the peers ran, $hcomm_steal% while hcomm ran (/proc/stat); $first ran first"
+echo "# cross-core turn (256 KiB written on one CPU, read on another): ${cc_first:-?} µs before $first, ${cc_second:-?} before $second, ${cc_end:-?} after; a jump of 3x or more means the VM's CPUs stopped sharing a cache meanwhile, and shared-memory times are not comparable"
 # Flag a comparison across states (turns more than 2x apart), as `hcomm bench --results` does.
-if [ -n "$cc_peers" ] && [ -n "$cc_hcomm" ] && [ -n "$cc_end" ] &&
-    ! awk -v a="$cc_peers" -v b="$cc_hcomm" -v c="$cc_end" 'BEGIN {
+if [ -n "$cc_first" ] && [ -n "$cc_second" ] && [ -n "$cc_end" ] &&
+    ! awk -v a="$cc_first" -v b="$cc_second" -v c="$cc_end" 'BEGIN {
         lo = a; hi = a; if (b < lo) lo = b; if (c < lo) lo = c; if (b > hi) hi = b; if (c > hi) hi = c
         exit !(hi <= 2 * lo) }'; then
     echo "# NOT COMPARABLE: the machine changed state between or during the halves (the turns above differ by more than 2x): rerun this round"
