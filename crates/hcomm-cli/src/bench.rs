@@ -907,6 +907,32 @@ fn record_history(path: &std::path::Path, rows: &[Row]) -> std::io::Result<()> {
 }
 
 /// Run the whole sweep on this rank; rank 0 prints. Returns the number of wrong elements.
+/// A header line saying which sizes an operation of `ranks × block` bytes
+/// ([`BenchOp::blocked`]) rounds down (to a multiple of `n` elements), so that a row of fewer
+/// bytes than asked for, or of none, is not a surprise; `None` when no size is rounded.
+fn rounding_note(op: BenchOp, n: usize, dtype: DType, sizes: &[usize]) -> Option<String> {
+    let unit = n * dtype.size();
+    if !op.blocked() || unit == 0 {
+        return None;
+    }
+    let rounded: Vec<String> = sizes
+        .iter()
+        .filter(|&&b| b % unit != 0)
+        .map(|&b| format!("{b} -> {}", b / unit * unit))
+        .collect();
+    if rounded.is_empty() {
+        return None;
+    }
+    let shown = rounded.len().min(4);
+    let more = if rounded.len() > shown { ", ..." } else { "" };
+    Some(format!(
+        "# {} moves {n} equal blocks: sizes are rounded down to a multiple of {n} ranks x {} B ({dtype}) = {unit} B: {}{more}",
+        op.name(),
+        dtype.size(),
+        rounded[..shown].join(", ")
+    ))
+}
+
 pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> {
     use std::io::IsTerminal;
     let me = comm.rank();
@@ -934,11 +960,14 @@ pub fn run(comm: &Communicator, o: &BenchOpts, out: &Output) -> Result<Outcome> 
     let run_start = (me == 0).then(CpuTimes::now).flatten();
     // The cross-core turn before the run (and after it, below): what state the machine was in.
     let turn_before = (me == 0).then(crate::cross_core::turn_time).flatten();
+    let all_sizes = sizes(o.min_bytes, o.max_bytes, o.factor);
     if me == 0 && !json {
         println!("{}", crate::cross_core::line(turn_before, "before the run"));
+        if let Some(note) = rounding_note(o.op, comm.world_size(), o.dtype, &all_sizes) {
+            println!("{note}");
+        }
         println!("{}", header());
     }
-    let all_sizes = sizes(o.min_bytes, o.max_bytes, o.factor);
     let progress = me == 0 && std::io::stderr().is_terminal() && all_sizes.len() > 1;
     let mut rows = Vec::new();
     for (i, &bytes) in all_sizes.iter().enumerate() {
@@ -1172,6 +1201,24 @@ mod tests {
         assert_eq!(f("reduce", 3), 1.0);
         assert_eq!(f("sendrecv", 2), 1.0);
         assert_eq!(f("barrier", 4), 0.0);
+    }
+
+    #[test]
+    fn a_blocked_operation_says_which_sizes_it_rounds_down() {
+        let op = BenchOp::parse("alltoall").unwrap();
+        let note = rounding_note(op, 4, DType::F32, &[8, 16, 24]).unwrap();
+        assert!(
+            note.contains("multiple of 4 ranks x 4 B (float) = 16 B"),
+            "{note}"
+        );
+        assert!(note.contains("8 -> 0, 24 -> 16"), "{note}");
+        assert!(!note.contains("16 ->"), "{note}");
+        // Whole multiples, or an operation that is not blocked: nothing to say.
+        assert_eq!(rounding_note(op, 4, DType::F32, &[16, 32]), None);
+        let all_reduce = BenchOp::parse("allreduce").unwrap();
+        assert_eq!(rounding_note(all_reduce, 4, DType::F32, &[8]), None);
+        let many = rounding_note(op, 3, DType::F32, &[4, 8, 16, 32, 64, 128]).unwrap();
+        assert!(many.ends_with(", ..."), "{many}");
     }
 
     #[test]
