@@ -770,7 +770,7 @@ elif CASE == "entry_points":
         gb = grp._get_backend(torch.device("cpu"))
         assert isinstance(gb, ht.HcommBackend), type(gb)
         assert "/group[0," in gb.comm.name, gb.comm.name
-        assert not gb._store.check([ht._STORE_KEY]), "new_group bootstrapped a rendezvous of its own"
+        assert not gb._store.check([ht._backend._STORE_KEY]), "new_group bootstrapped a rendezvous of its own"
         assert dist.get_rank(grp) == sorted(pair).index(R)
         t = x(R, salt=5)
         dist.all_reduce(t, group=grp)
