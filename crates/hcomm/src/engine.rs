@@ -174,7 +174,7 @@ impl Engine {
             .spawn(move || engine_loop(&queue, &turns))
             .map_err(|e| {
                 Error::io(
-                    crate::OpContext {
+                    crate::base::error::OpContext {
                         op: "engine",
                         seq: 0,
                     },

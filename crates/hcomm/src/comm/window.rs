@@ -213,7 +213,7 @@ fn check_fits(op: &'static str, bytes: usize) -> Result<()> {
 fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
     check_fits(op, bytes)?;
     let seg = Segment::anonymous(segment_len(bytes))
-        .map_err(|e| Error::io(crate::OpContext { op, seq: 0 }, None, e))?;
+        .map_err(|e| Error::io(crate::base::error::OpContext { op, seq: 0 }, None, e))?;
     let id = crate::base::ids::random_u64();
     let t = trailer_at(bytes);
     seg.atomic_u64(t + 8).store(id, Ordering::Relaxed);
@@ -275,7 +275,7 @@ impl Communicator {
     /// Map the segment `owner` publishes under `key` (for `op`: `get_shared` or
     /// `alloc_window`), waiting for it until the communicator's timeout.
     fn map_published(&self, key: &str, owner: usize, op: &'static str) -> Result<SharedMemory> {
-        let ctx = crate::OpContext { op, seq: 0 };
+        let ctx = crate::base::error::OpContext { op, seq: 0 };
         let call = match op {
             "get_shared" => "AllocateSharedMemory / alloc_shared",
             _ => op,
@@ -393,8 +393,8 @@ impl Communicator {
         &self,
         win: &Window,
         bytes: usize,
-        dtype: crate::DType,
-        op: crate::ReduceOp,
+        dtype: crate::base::dtype::DType,
+        op: crate::base::dtype::ReduceOp,
     ) -> Result<()> {
         const OP: &str = "all_reduce_window";
         let n = self.world_size();
@@ -452,7 +452,7 @@ impl Communicator {
                     );
                 }
             }
-            if op == crate::ReduceOp::Mean {
+            if op == crate::base::dtype::ReduceOp::Mean {
                 crate::base::reduce::finalize_mean(dtype, acc, n);
             }
             for part in &win.parts {
