@@ -4,8 +4,8 @@
 //! only `unsafe` code for shared memory ([`super::futex`] needs none: rustix's futex calls are
 //! safe). Everything else — the collectives in `shm/mod.rs`, the point-to-point rings in
 //! `shm/p2p.rs`, the windows in `comm/window.rs` — reaches the bytes through the safe,
-//! crate-internal accessors below ([`Segment::put`], [`Segment::get`], [`Segment::view`],
-//! [`Segment::view_mut`]) and the atomics ([`Segment::atomic_u32`], [`Segment::atomic_u64`]).
+//! crate-internal accessors below (`Segment::put`, `Segment::get`, `Segment::view`,
+//! `Segment::view_mut`) and the atomics ([`Segment::atomic_u32`], [`Segment::atomic_u64`]).
 //!
 //! # The invariant those accessors rely on
 //!
