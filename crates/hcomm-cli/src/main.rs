@@ -1,5 +1,9 @@
 //! `hcomm`: launcher, demo, correctness check and benchmark for the hcomm library.
 
+// The doc comments on the argument structs are clap's --help text, written for a terminal:
+// `[:BLOCK]` is an optional suffix there, not a link, and addresses are printed as they are.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::bare_urls)]
+
 use clap::{Args, Parser, Subcommand};
 use hcomm::{Algo, Collective, Communicator, DType, ReduceOp};
 use hcomm_cli::bench::{self, BenchOp, BenchOpts};

@@ -88,12 +88,12 @@ fn write_line(mut to: impl std::io::Write, msg: &str) {
     let _ = to.flush();
 }
 
-/// One line to stderr (see [`write_line`]).
+/// One line to stderr (see `write_line`).
 pub fn say_line(msg: &str) {
     write_line(std::io::stderr().lock(), msg);
 }
 
-/// One line to stdout (see [`write_line`]).
+/// One line to stdout (see `write_line`).
 pub fn print_line(msg: &str) {
     write_line(std::io::stdout().lock(), msg);
 }

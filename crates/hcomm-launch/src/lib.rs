@@ -1,5 +1,5 @@
-//! What hcomm's programs share beyond the library: the local launcher ([`launch`], behind
-//! `hcomm run` and the Python package's `hcomm.launch`) and the logging set-up
+//! What hcomm's programs share beyond the library: the local launcher ([`launch()`], behind
+//! `hcomm run` and `python -m hcomm`, through the extension's `_hcomm.launch`) and the logging set-up
 //! ([`init_logging`]) that the `hcomm` command and the Python extension install at start.
 
 pub mod launch;

@@ -20,7 +20,7 @@ pub struct OpRecord {
     /// The communicator's collective sequence number when it started.
     pub seq: u64,
     /// How long it took, from its first wait on: `None` when it never had to wait (it ran
-    /// within the spin window, and its clock was never read; see [`crate::base::deadline`]).
+    /// within the spin window, and its clock was never read; see `crate::base::deadline`).
     pub took: Option<Duration>,
     /// The error it ended with; `None` when it succeeded (no allocation per operation).
     pub error: Option<String>,

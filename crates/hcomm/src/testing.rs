@@ -296,7 +296,7 @@ fn encode_rounded(dtype: DType, vals: &[f64]) -> Vec<u8> {
 /// rank 0's element, combined with rank 1's, then rank 2's, … in rank order; f32 and f64 in
 /// their own precision, f16 and bf16 widened to f32 and rounded once at the end; `Mean` is the
 /// rounded sum divided by `n` (in f32 for the 16-bit floats) and rounded again. Inputs are
-/// [`random_input`]'s. Integer types: [`reference`] (exact).
+/// [`random_input`]'s. Integer types: [`reference()`] (exact).
 pub fn canonical_reference(
     dtype: DType,
     op: ReduceOp,

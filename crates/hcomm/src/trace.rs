@@ -12,7 +12,7 @@
 //!   then `]` when the last communicator using the file is dropped (the viewers and
 //!   `hcomm trace merge` also read a file whose `]` is missing, as after a crash). Events are
 //!   buffered and written at least every [`FLUSH_EVERY`] and when the buffer passes
-//!   [`FLUSH_BYTES`]; [`Tracer::flush`] writes at once.
+//!   [`FLUSH_BYTES`]; `Tracer::flush` writes at once.
 //! * **Slices.** `ts` is wall-clock time (µs since the Unix epoch, so the ranks of a host line
 //!   up), `dur` the time the operation ran once its turn came; `args` hold the sequence
 //!   number, algorithm, dtype, reduce op, element count, payload bytes, root / peer / tag, the

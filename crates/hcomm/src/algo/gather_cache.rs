@@ -60,9 +60,9 @@ struct Kept {
 
 /// The all-gathers a communicator keeps (the same ones on every rank).
 ///
-/// Keeping pauses when it does not pay: once [`FRUITLESS_BUDGETS`] budgets' worth of outputs were
+/// Keeping pauses when it does not pay: once `FRUITLESS_BUDGETS` budgets' worth of outputs were
 /// kept without a single repeated block (all-gathers of data that never repeats), the kept
-/// outputs are dropped and the next [`PAUSE_BUDGETS`] budgets' worth of all-gathers run the
+/// outputs are dropped and the next `PAUSE_BUDGETS` budgets' worth of all-gathers run the
 /// plain ring; then keeping starts again. Every rank counts the same calls and claims, so all
 /// pause together.
 #[derive(Default)]

@@ -112,7 +112,7 @@ pub fn all_reduce(
     all_gather_in_place(run, buf, segs, run.size as u32)
 }
 
-/// Chunk of [`all_reduce_pair_pipelined`], a multiple of every element size. 2 ranks over
+/// Chunk of `all_reduce_pair_pipelined`, a multiple of every element size. 2 ranks over
 /// loopback TCP, 64 MiB (2026-12-06): 256 KiB to 1 MiB all about 1.3x the two-phase ring,
 /// 64–128 KiB less; vectors under two chunks keep the two-phase ring.
 pub const PAIR_CHUNK: usize = 512 << 10;

@@ -9,7 +9,7 @@
 //! included), many messages outstanding per peer, all pairs at once.
 //!
 //! Ordering with the rest:
-//! * The loop takes a turn like any operation (see [`crate::engine`]): an operation issued
+//! * The loop takes a turn like any operation (see `crate::engine`): an operation issued
 //!   while messages are posted runs once every message posted before it has completed (and
 //!   any posted meanwhile). A blocking `send` / `recv` / `send_recv` issued while the loop is
 //!   queued or running joins it instead, so it cannot wait for the loop that waits for it.

@@ -36,7 +36,7 @@ fn bad(msg: String) -> Error {
 impl Communicator {
     /// Reduce-scatter compressed: `send` holds `world_size` equal chunks of f32; `recv`
     /// (one chunk) receives the sum (`op` `Sum`) or mean (`Mean`) over the ranks of chunk
-    /// `rank`, computed from compressed chunks (see the [module documentation](self)).
+    /// `rank`, computed from compressed chunks (see the documentation of the module `compress::reduce_scatter`).
     ///
     /// With error feedback (the default) `state`'s residual, one value per element of
     /// `send`, is added to `send` before encoding and keeps what the encoding dropped; keep
