@@ -198,6 +198,9 @@ pub struct ShmGroup {
     publishing: PublishPolicy,
     /// Where a rank that publishes to memory reduces its slice first (reused).
     reduced: Vec<u8>,
+    /// This rank's vector of an in-place one-shot all-reduce, which the reduction overwrites
+    /// (reused; see `all_reduce`).
+    own_copy: Vec<u8>,
 }
 
 /// What a rank needs to time out and name peers while it waits.
@@ -278,6 +281,7 @@ impl ShmGroup {
             spin: std::cell::Cell::new(LearnedSpin::new(policy.spin)),
             publishing: PublishPolicy::default(),
             reduced: Vec::new(),
+            own_copy: Vec::new(),
         }
     }
 
