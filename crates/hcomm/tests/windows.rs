@@ -127,6 +127,47 @@ fn a_segment_larger_than_the_host_is_refused() {
     }
 }
 
+fn mem_available() -> u64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = info
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// A window whose parts each fit but together do not is refused on every rank, before any
+/// rank reserves its part (each rank checking only its own part would let the ranks of one
+/// host together reserve more than it has, and wake the OOM killer).
+#[test]
+fn a_window_whose_parts_fit_only_one_by_one_is_refused_on_every_rank() {
+    let part = (mem_available() / 10 * 6) as usize;
+    let res = run_threads(2, T, move |c| {
+        // Each rank asks for 0.6 of what the host has available: either part alone fits.
+        match c.alloc_window(part) {
+            Err(Error::InvalidArgument { msg, .. }) => assert!(
+                msg.contains("the window's 2 parts need")
+                    && msg.contains("together, more than this host has available"),
+                "rank {}: {msg}",
+                c.rank()
+            ),
+            other => panic!("rank {}: {:?}", c.rank(), other.err()),
+        }
+        // Nothing was kept: a small window works at once.
+        let w = c.alloc_window(64)?;
+        assert_eq!(w.len(), 2);
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
 #[test]
 fn a_collective_window_maps_every_part() {
     let res = run_threads(3, T, |c| {

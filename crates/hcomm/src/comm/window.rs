@@ -187,20 +187,26 @@ fn available_memory() -> Option<u64> {
     Some(kib.saturating_mul(1024))
 }
 
-/// Refuse a segment of `bytes` that this host cannot hold. An anonymous segment is a memfd,
-/// which no tmpfs size limits: reserving more than the host has would wake the kernel's OOM
-/// killer, which may pick any process of the host, instead of failing this call.
-fn check_fits(op: &'static str, bytes: usize) -> Result<()> {
+/// Refuse `bytes` of new shared memory that this host cannot hold: one segment (`parts` = 1)
+/// or the `parts` parts of a window together. An anonymous segment is a memfd, which no tmpfs
+/// size limits: reserving more than the host has would wake the kernel's OOM killer, which may
+/// pick any process of the host, instead of failing this call.
+fn check_fits(op: &'static str, bytes: u64, parts: usize) -> Result<()> {
     let Some(free) = available_memory() else {
         return Ok(());
     };
-    if bytes as u64 > free {
+    if bytes > free {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let what = if parts == 1 {
+            format!("{bytes} bytes of shared memory is")
+        } else {
+            format!("the window's {parts} parts need {bytes} bytes of shared memory together,")
+        };
         return Err(Error::invalid(
             op,
             0,
             format!(
-                "{bytes} bytes of shared memory is more than this host has available \
+                "{what} more than this host has available \
                  ({:.1} GiB, MemAvailable in /proc/meminfo)",
                 gib(free)
             ),
@@ -209,11 +215,53 @@ fn check_fits(op: &'static str, bytes: usize) -> Result<()> {
     Ok(())
 }
 
+/// Holds the host's allocation lock (an `flock` on `hcomm-alloc.lock` in `/dev/shm`, or in
+/// the temporary directory where that is missing) while a rank checks the memory it may take
+/// and takes it, so that two processes of the host cannot both see room for their segment and
+/// together reserve more than there is. The kernel releases the lock when the file closes,
+/// also when its process dies. Best effort: where the file cannot be opened, no lock is held.
+struct HostAllocLock {
+    _file: Option<std::fs::File>,
+}
+
+impl HostAllocLock {
+    fn acquire() -> Self {
+        let dir = std::path::Path::new("/dev/shm");
+        let dir = if dir.is_dir() {
+            dir.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        };
+        let path = dir.join("hcomm-alloc.lock");
+        // Another user's lock file may not be writable: `flock` needs only an open file.
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o666)
+                .open(&path)
+        }
+        .or_else(|_| std::fs::File::open(&path))
+        .ok()
+        .filter(|f| rustix::fs::flock(f, rustix::fs::FlockOperation::LockExclusive).is_ok());
+        if file.is_none() {
+            tracing::debug!("no host allocation lock at {}", path.display());
+        }
+        Self { _file: file }
+    }
+}
+
 /// A new anonymous segment of `bytes` usable bytes with its trailer written; returns its id.
 fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
-    check_fits(op, bytes)?;
-    let seg = Segment::anonymous(segment_len(bytes))
-        .map_err(|e| Error::io(crate::base::error::OpContext { op, seq: 0 }, None, e))?;
+    let seg = {
+        let _lock = HostAllocLock::acquire();
+        check_fits(op, bytes as u64, 1)?;
+        Segment::anonymous(segment_len(bytes))
+            .map_err(|e| Error::io(crate::base::error::OpContext { op, seq: 0 }, None, e))?
+    };
     let id = crate::base::ids::random_u64();
     let t = trailer_at(bytes);
     seg.atomic_u64(t + 8).store(id, Ordering::Relaxed);
@@ -222,6 +270,9 @@ fn new_segment(op: &'static str, bytes: usize) -> Result<(Segment, u64)> {
     seg.atomic_u64(t).store(WIN_MAGIC, Ordering::Release);
     Ok((seg, id))
 }
+
+/// How a window's record starts when its rank could not reserve its part (the reason follows).
+const FAILED: &str = "failed: ";
 
 fn record(path: &str, id: u64, len: usize) -> Vec<u8> {
     format!("{path} {id:x} {len}").into_bytes()
@@ -293,6 +344,14 @@ impl Communicator {
                 other => other,
             })?;
             let text = String::from_utf8_lossy(&rec).into_owned();
+            if let Some(reason) = text.strip_prefix(FAILED) {
+                return Err(Error::Remote {
+                    ctx,
+                    peer: owner,
+                    culprit: Some(owner),
+                    msg: format!("it could not reserve its part: {reason}"),
+                });
+            }
             let f: Vec<&str> = text.split(' ').collect();
             let bad = || Error::Protocol {
                 ctx: ctx.clone(),
@@ -353,11 +412,25 @@ impl Communicator {
             self.check_same_host("alloc_window", r)?;
         }
         let n = self.next_window_number();
-        let (seg, id) = new_segment("alloc_window", bytes)?;
-        self.store_set(
-            &format!("{}/window{n}/{}", self.id(), self.rank()),
-            &record(seg.name(), id, bytes),
-        )?;
+        // Every part must fit, and all of them together: ranks that each checked only their own
+        // part could reserve, between them, more than the host has.
+        let mut sizes = vec![0u64; self.world_size()];
+        self.all_gather(&[bytes as u64], &mut sizes)?;
+        let total = sizes.iter().fold(0u64, |t, &b| t.saturating_add(b));
+        let key = format!("{}/window{n}/{}", self.id(), self.rank());
+        let reserved = check_fits("alloc_window", total, sizes.len())
+            .and_then(|()| new_segment("alloc_window", bytes));
+        let (seg, id) = match reserved {
+            Ok(part) => part,
+            Err(e) => {
+                // The ranks mapping this part learn why it will not come, and fail now naming
+                // this rank and the cause instead of timing out (the readings of the host's
+                // memory differ a little between ranks, and other processes take memory too).
+                let _ = self.store_set(&key, format!("{FAILED}{e}").as_bytes());
+                return Err(e);
+            }
+        };
+        self.store_set(&key, &record(seg.name(), id, bytes))?;
         let mut parts = Vec::with_capacity(self.world_size());
         let mut mine = Some(SharedMemory {
             seg,
