@@ -25,6 +25,7 @@ mod build;
 mod collectives;
 mod groups;
 mod grow;
+mod host_memory;
 mod join;
 mod p2p;
 pub mod posted;

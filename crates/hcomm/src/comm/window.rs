@@ -179,20 +179,12 @@ impl Window {
     }
 }
 
-/// Bytes of memory this host can still give (`MemAvailable` of `/proc/meminfo`), if known.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib.saturating_mul(1024))
-}
-
 /// Refuse `bytes` of new shared memory that this host cannot hold: one segment (`parts` = 1)
 /// or the `parts` parts of a window together. An anonymous segment is a memfd, which no tmpfs
 /// size limits: reserving more than the host has would wake the kernel's OOM killer, which may
 /// pick any process of the host, instead of failing this call.
 fn check_fits(op: &'static str, bytes: u64, parts: usize) -> Result<()> {
-    let Some(free) = available_memory() else {
+    let Some(free) = crate::comm::host_memory::available() else {
         return Ok(());
     };
     if bytes > free {
@@ -206,8 +198,8 @@ fn check_fits(op: &'static str, bytes: u64, parts: usize) -> Result<()> {
             op,
             0,
             format!(
-                "{what} more than this host has available \
-                 ({:.1} GiB, MemAvailable in /proc/meminfo)",
+                "{what} more than this host has available ({:.1} GiB: MemAvailable in \
+                 /proc/meminfo, or the room under this process's memory cgroup limit if less)",
                 gib(free)
             ),
         ));
