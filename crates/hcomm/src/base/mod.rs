@@ -7,6 +7,7 @@ pub mod deadline;
 pub mod dtype;
 pub mod error;
 pub mod ids;
+pub mod integer_mean;
 pub mod reduce;
 pub mod scratch;
 pub mod segments;

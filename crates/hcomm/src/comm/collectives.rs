@@ -7,6 +7,7 @@
 use crate::algo::{basic, canonical, gather_cache, ring, skip_zeros, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, Result};
+use crate::base::integer_mean;
 use crate::base::reduce::finalize_mean;
 use crate::base::segments::{count_segments, even_segments};
 use crate::comm::{Communicator, Hierarchy};
@@ -84,6 +85,13 @@ impl Communicator {
             }
         }
         let n = self.world_size();
+        if op == ReduceOp::Mean && n > 1 && integer_mean::lanes(dtype).is_some() {
+            // Summed in the element type, a mean of integers would wrap before dividing.
+            let mut lanes = integer_mean::widen(dtype, send.unwrap_or(recv));
+            self.all_reduce_in_place(&mut lanes, ReduceOp::Sum)?;
+            integer_mean::narrow_mean(dtype, &lanes, n, recv);
+            return Ok(());
+        }
         // The algorithm is read in this operation's turn, after every operation issued before
         // it (a job may have changed it with `set_algorithm`): read before, ranks where that
         // job had not run yet would choose another algorithm than the others.
@@ -560,6 +568,25 @@ impl Communicator {
                 }
             }
         }
+        if op == ReduceOp::Mean && n > 1 {
+            if let Some(per) = integer_mean::lanes(dtype) {
+                // As in `all_reduce_bytes`: integers are summed widened, then divided.
+                let lanes = integer_mean::widen(dtype, send.unwrap_or(recv));
+                let wide_counts: Vec<usize> = counts.iter().map(|c| c * per).collect();
+                let mut mine = vec![0i64; counts[me] * per];
+                self.reduce_scatter_v(&lanes, &mut mine, &wide_counts, ReduceOp::Sum)?;
+                let size = dtype.size();
+                let out = match send {
+                    Some(_) => &mut recv[..],
+                    None => {
+                        let start = counts[..me].iter().sum::<usize>() * size;
+                        &mut recv[start..start + counts[me] * size]
+                    }
+                };
+                integer_mean::narrow_mean(dtype, &mine, n, out);
+                return Ok(());
+            }
+        }
         let uniform = counts.iter().all(|&c| c == counts[0]);
         let fp_count = if uniform { counts[0] } else { total };
         let segs = count_segments(counts, dtype.size());
@@ -762,6 +789,15 @@ impl Communicator {
             self.check_len(OP, "buffer", recv, dtype)?;
         }
         let n = self.world_size();
+        if op == ReduceOp::Mean && n > 1 && integer_mean::lanes(dtype).is_some() {
+            // As in `all_reduce_bytes`: integers are summed widened, then divided.
+            let mut lanes = integer_mean::widen(dtype, send.unwrap_or(recv));
+            self.reduce_in_place(&mut lanes, ReduceOp::Sum, root)?;
+            if me == root {
+                integer_mean::narrow_mean(dtype, &lanes, n, recv);
+            }
+            return Ok(());
+        }
         self.collective(
             Collective::Reduce,
             Some(dtype),
