@@ -58,6 +58,10 @@ def _empty(like: Any, shape: Sequence[int]) -> Any:
     return np.empty(tuple(shape), dtype=like.dtype)
 
 
+_TAG_MAX = (1 << 32) - 1
+_INT_MAX = (1 << 63) - 1
+
+
 def _int(op: str, name: str, value: Any) -> int:
     """`value` (an int, or a numpy integer) as a non-negative int; else a TypeError or
     InvalidArgumentError naming the argument (not the binding's bare conversion error)."""
@@ -66,6 +70,10 @@ def _int(op: str, name: str, value: Any) -> int:
     v = operator.index(value)
     if v < 0:
         raise InvalidArgumentError(f"{op}: {name} must not be negative, got {v}")
+    # Tags travel as 32-bit numbers, the rest (ranks, sizes, counts) as 64-bit ones.
+    limit = _TAG_MAX if name == "tag" else _INT_MAX
+    if v > limit:
+        raise InvalidArgumentError(f"{op}: {name} must be at most {limit}, got {v}")
     return v
 
 
@@ -1382,7 +1390,7 @@ class Fusion:
     ) -> None:
         if compression is not None and not isinstance(compression, str):
             raise TypeError(f"fusion: compression must be a compressor string such as 'int8' or 'topk:1%', got {type(compression).__name__}")
-        self._f = comm._c.fusion(op, int(cap_bytes), int(first_bucket_bytes), int(direct_bytes), compression, bool(error_feedback),
+        self._f = comm._c.fusion(op, _int("fusion", "cap_bytes", cap_bytes), _int("fusion", "first_bucket_bytes", first_bucket_bytes), _int("fusion", "direct_bytes", direct_bytes), compression, bool(error_feedback),
                                  bool(skip_zeros), bool(encode_on_push))
         #: Buckets of the last finished step.
         self.last_step_buckets = 0

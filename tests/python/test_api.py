@@ -128,6 +128,10 @@ def test_integer_and_op_arguments_are_checked_by_name(comm):
         (lambda: comm.allocate_shared_memory(-1), "alloc_shared: size must not be negative"),
         # more than the host can hold: refused, not reserved (that would wake the OOM killer)
         (lambda: comm.allocate_shared_memory(1 << 62), "more than this host has available"),
+        # too large for the binding's integers: named too, not a bare OverflowError
+        (lambda: comm.broadcast(np.ones(3), root_rank=2**64), "broadcast: root_rank must be at most"),
+        (lambda: comm.send(np.ones(3), dst_rank=0, tag=2**32), "send: tag must be at most 4294967295"),
+        (lambda: comm.fusion(cap_bytes=-1), "fusion: cap_bytes must not be negative"),
     ]:
         with pytest.raises(hcomm.InvalidArgumentError, match=match):
             call()
@@ -308,6 +312,9 @@ def test_torch_tensors_in_place_and_errors(comm):
         comm.all_reduce(torch.ones(3, device="meta"))
     with pytest.raises(TypeError, match="dtype"):
         comm.all_reduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64))
+    # A lazily negated view keeps its values un-negated in memory: refused, not reduced wrong.
+    with pytest.raises(ValueError, match="negated view"):
+        comm.all_reduce(torch.full((3,), 2.0)._neg_view(), op="max")
 
 
 def test_ml_dtypes_bfloat16(comm):

@@ -170,6 +170,14 @@ fn torch_buffer(op: &str, what: &str, t: &Bound<'_, PyAny>) -> PyResult<Buf> {
             "{op}: {what} has layout {layout}; hcomm needs a dense (strided) tensor"
         )));
     }
+    // A lazily negated view (`torch._neg_view`, what `x.conj().imag` gives) keeps the values
+    // un-negated in memory: reading or writing its bytes would give the wrong sign.
+    if t.call_method0("is_neg")?.extract::<bool>()? {
+        return Err(invalid_argument(format!(
+            "{op}: {what} is a negated view (from x.conj().imag or torch._neg_view): its memory \
+             holds the values with the other sign; pass tensor.resolve_neg() (a copy)"
+        )));
+    }
     let dtype = t.getattr("dtype")?.str()?.to_string();
     let dtype = dtype_named(op, what, dtype.strip_prefix("torch.").unwrap_or(&dtype))?;
     if !t.call_method0("is_contiguous")?.extract::<bool>()? {

@@ -154,6 +154,14 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _root(op: str, root: int, size: int) -> int:
+    """`root` checked against the group's size, so that an out-of-range rank is an error naming
+    it (not the binding's bare OverflowError for a negative one)."""
+    if not 0 <= root < size:
+        raise InvalidArgumentError(f"hcomm backend: {op}: root rank {root} is out of range for a group of {size} ranks")
+    return root
+
+
 def _check_cpu(op: str, tensors: List[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type != "cpu":
@@ -823,16 +831,16 @@ class HcommBackend(_C10dBackend):
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> dist._Work:
         _check_cpu("broadcast", tensors)
-        c = self._c
+        c, root = self._c, _root("broadcast", opts.rootRank, self.size())
         if len(tensors) == 1:
-            return self._run(opts, tensors[0], lambda w, a: c.broadcast(w, opts.rootRank, a))
+            return self._run(opts, tensors[0], lambda w, a: c.broadcast(w, root, a))
         for t in tensors:
-            _in_place(t, lambda b: c.broadcast(b, opts.rootRank))
+            _in_place(t, lambda b: c.broadcast(b, root))
         return _Work(tensors)
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("reduce", tensors)
-        c, root = self._c, opts.rootRank
+        c, root = self._c, _root("reduce", opts.rootRank, self.size())
         plans = [_reduction(opts, t.dtype, "reduce") for t in tensors]
         for t, red in zip(tensors, plans):
             if red.local is not None:  # bitwise: gather onto the root, fold there
@@ -984,7 +992,7 @@ class HcommBackend(_C10dBackend):
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any) -> _Work:
         _check_cpu("gather", inputs)
-        root = opts.rootRank
+        root = _root("gather", opts.rootRank, self.size())
         for i, inp in enumerate(inputs):
             if self.rank() == root:
                 outs = output_lists[i]
@@ -1001,7 +1009,7 @@ class HcommBackend(_C10dBackend):
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any) -> _Work:
         _check_cpu("scatter", outputs)
-        c, root = self._c, opts.rootRank
+        c, root = self._c, _root("scatter", opts.rootRank, self.size())
         for i, out in enumerate(outputs):
             if self.rank() == root:
                 flat = torch.cat([_flat(t) for t in input_lists[i]])
