@@ -1,7 +1,7 @@
 //! Recursive doubling all-reduce, linear gather/scatter, pairwise all-to-all, dissemination
 //! barrier.
 
-use super::Run;
+use super::{Run, ROOT_CHECK_STEP};
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::{reduce_into, Order};
@@ -112,8 +112,15 @@ pub fn scatter_linear(
     segs: &[Range<usize>],
     root: usize,
 ) -> Result<()> {
+    // The rank before the root confirms it ([`ROOT_CHECK_STEP`]).
+    let confirmer = (root + run.size - 1) % run.size;
     if run.rank != root {
-        return run.step(0, None, Some((root, Sink::Buf(output))));
+        let check: Vec<(usize, u32, &[u8])> = if run.rank == confirmer {
+            vec![(root, ROOT_CHECK_STEP, &[])]
+        } else {
+            Vec::new()
+        };
+        return run.exchange(check, vec![(root, 0, Sink::Buf(output))]);
     }
     let mut sends = Vec::new();
     for (p, seg) in segs.iter().enumerate() {
@@ -123,7 +130,12 @@ pub fn scatter_linear(
             sends.push((p, 0, &input[seg.clone()]));
         }
     }
-    run.exchange(sends, Vec::new())
+    let check = if run.size > 1 {
+        vec![(confirmer, ROOT_CHECK_STEP, Sink::Buf(&mut []))]
+    } else {
+        Vec::new()
+    };
+    run.exchange(sends, check)
 }
 
 /// Pairwise all-to-all: every rank sends segment `p` of `input` to rank `p` and receives rank

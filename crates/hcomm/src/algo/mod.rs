@@ -32,6 +32,18 @@ use crate::transport::ops::{RecvOp, SendOp, Sink};
 use crate::transport::Links;
 use crate::wire::frame::Header;
 
+/// Step tag of the root check of the collectives in which only the root sends (broadcast,
+/// scatter): the rank before the root (the last virtual rank, a leaf of the tree and the tail
+/// of the chain) sends the root an empty frame carrying its fingerprint (which names the root)
+/// while it receives, and the root receives it while it sends. Without it, ranks that
+/// disagree about the root could all believe they are the root, all send, none receive, and
+/// each return its own buffer as the result: silently wrong. With it a root returns only once
+/// a rank that agrees has said so; a rank that disagrees sends it either its check with
+/// another root in the fingerprint or, believing itself root, its data (the rank after it is
+/// its child in the tree and the chain): a `Mismatch` error, as for any other argument the
+/// ranks disagree on. Where neither reaches it, it fails at the timeout, never silently.
+pub const ROOT_CHECK_STEP: u32 = u32::MAX - 1;
+
 /// One collective's execution context: the links, who we are, the fingerprint every frame
 /// carries, and the deadline.
 pub struct Run<'a> {

@@ -585,12 +585,74 @@ fn a_mismatched_call_is_named_not_hung() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(results[0].is_ok(), "{:?}", results[0]);
-    let e = results[1].as_ref().unwrap_err().to_string();
-    assert!(
-        e.contains("mismatch with rank 0") && e.contains("count=4") && e.contains("count=5"),
-        "{e}"
-    );
+    // The root learns it too, from rank 1's root check (`ROOT_CHECK_STEP`).
+    for (me, peer) in [(1, 0), (0, 1)] {
+        let e = results[me].as_ref().unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("mismatch with rank {peer}"))
+                && e.contains("count=4")
+                && e.contains("count=5"),
+            "rank {me}: {e}"
+        );
+    }
+}
+
+/// Ranks that disagree about the root, each believing it is the root, must not all send,
+/// receive nothing and return their own buffers as the result: every rank names the
+/// disagreement. 2 and 3 ranks, broadcast (tree and chain) and scatter.
+#[test]
+fn ranks_that_disagree_about_the_root_are_told_not_left_with_their_own_data() {
+    for n in [2usize, 3] {
+        for algo in [Algo::Tree, Algo::Chain, Algo::Linear] {
+            let fabric = MemFabric::new(n);
+            let results: Vec<Result<()>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..n)
+                    .map(|rank| {
+                        let fabric = &fabric;
+                        s.spawn(move || {
+                            let mut links = fabric.links(rank);
+                            // Every rank names itself the root.
+                            let root = rank;
+                            let coll = if algo == Algo::Linear {
+                                Collective::Scatter
+                            } else {
+                                Collective::Broadcast
+                            };
+                            let mut run = run_on(
+                                &mut links,
+                                rank,
+                                n,
+                                fp(coll, algo, DType::U8, None, Some(root), 4),
+                                Duration::from_secs(5),
+                            );
+                            let mut buf = vec![rank as u8; 4];
+                            match algo {
+                                Algo::Tree => tree::broadcast_tree(&mut run, &mut buf, root),
+                                Algo::Chain => tree::broadcast_chain(&mut run, &mut buf, root),
+                                _ => {
+                                    let input = vec![rank as u8; 4 * n];
+                                    let segs: Vec<_> = (0..n).map(|p| p * 4..(p + 1) * 4).collect();
+                                    basic::scatter_linear(&mut run, &input, &mut buf, &segs, root)
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, r) in results.iter().enumerate() {
+                match r {
+                    Err(crate::base::error::Error::Mismatch { msg, .. }) => {
+                        assert!(
+                            msg.contains("root="),
+                            "{n} ranks, {algo:?}, rank {rank}: {msg}"
+                        )
+                    }
+                    other => panic!("{n} ranks, {algo:?}, rank {rank}: {other:?}"),
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //!
 //! Ranks are renumbered into virtual ranks `v = (rank - root) mod n` so the root is 0.
 
-use super::Run;
+use super::{Run, ROOT_CHECK_STEP};
 use crate::base::dtype::{DType, ReduceOp};
 use crate::base::error::Result;
 use crate::base::reduce::Order;
@@ -16,6 +16,7 @@ fn real(v: usize, root: usize, n: usize) -> usize {
 }
 
 /// Binomial-tree broadcast of `buf` from `root`.
+/// The last virtual rank confirms the root ([`ROOT_CHECK_STEP`]).
 pub fn broadcast_tree(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()> {
     let n = run.size;
     let v = (run.rank + n - root) % n;
@@ -23,7 +24,13 @@ pub fn broadcast_tree(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()> 
     while mask < n {
         if v & mask != 0 {
             let parent = real(v - mask, root, n);
-            run.step(0, None, Some((parent, Sink::Buf(buf))))?;
+            // The last virtual rank (a leaf) confirms the root.
+            let check: Vec<(usize, u32, &[u8])> = if v == n - 1 {
+                vec![(root, ROOT_CHECK_STEP, &[])]
+            } else {
+                Vec::new()
+            };
+            run.exchange(check, vec![(parent, 0, Sink::Buf(buf))])?;
             break;
         }
         mask <<= 1;
@@ -36,8 +43,13 @@ pub fn broadcast_tree(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()> 
         }
         mask >>= 1;
     }
-    if !sends.is_empty() {
-        run.exchange(sends, Vec::new())?;
+    let check = if v == 0 && n > 1 {
+        vec![(real(n - 1, root, n), ROOT_CHECK_STEP, Sink::Buf(&mut []))]
+    } else {
+        Vec::new()
+    };
+    if !sends.is_empty() || !check.is_empty() {
+        run.exchange(sends, check)?;
     }
     Ok(())
 }
@@ -61,6 +73,13 @@ pub fn broadcast_chain(run: &mut Run, buf: &mut [u8], root: usize) -> Result<()>
         };
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
+        // The root check ([`ROOT_CHECK_STEP`]) rides on the first chunk's step.
+        if k == 0 && v == n - 1 {
+            sends.push((root, ROOT_CHECK_STEP, &[][..]));
+        }
+        if k == 0 && v == 0 {
+            recvs.push((real(n - 1, root, n), ROOT_CHECK_STEP, Sink::Buf(&mut [])));
+        }
         match (send_idx, recv_idx) {
             (Some(s), Some(r)) => {
                 let (sb, rb) =
