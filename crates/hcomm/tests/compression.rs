@@ -212,16 +212,28 @@ proptest! {
     #[test]
     fn int8_bytes_are_the_specifications_one_element_at_a_time(x in special_vec_strategy(), block in 1usize..300) {
         // The wire format is shared by every rank and every version: pin it to the
-        // specification written out scalar (scale = largest |x| over 127, NaNs ignored; code =
-        // floor(x / scale + 128.5) saturated to 1..=255, minus 128), whatever the kernels do.
+        // specification written out scalar (scale = largest finite |x| over 127; a NaN or
+        // infinite element's code is -128; else code = floor(x / scale + 128.5) saturated to
+        // 1..=255, minus 128, in f32 where 1 / scale is finite, in f64 where it is not),
+        // whatever the kernels do.
         let mut want = Vec::new();
         let mut codes = Vec::new();
         for xb in x.chunks(block) {
-            let m = xb.iter().fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+            let m = xb.iter().filter(|v| v.is_finite()).fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
             let s = m / 127.0;
             want.extend_from_slice(&s.to_ne_bytes());
             let inv = 1.0 / s;
-            codes.extend(xb.iter().map(|&v| if s == 0.0 { 0 } else { ((v * inv + 128.5) as u8).max(1) ^ 0x80 }));
+            codes.extend(xb.iter().map(|&v| {
+                if !v.is_finite() {
+                    0x80
+                } else if s == 0.0 {
+                    0
+                } else if inv.is_finite() {
+                    ((v * inv + 128.5) as u8).max(1) ^ 0x80
+                } else {
+                    ((v as f64 * 127.0 / m as f64 + 128.5).clamp(1.0, 255.0) as u8) ^ 0x80
+                }
+            }));
         }
         want.extend(codes);
         let mut codec = Int8Block::new(block).unwrap();
@@ -1128,4 +1140,131 @@ fn top_k_parts_sum_in_rank_order_each_element_written_once() {
     let e = TopK::sum_parts(&bad, 16, &mut [0f32; 10], None).unwrap_err();
     assert!(e.to_string().contains("not ascending"), "{e}");
     assert!(TopK::sum_parts(&all[..20], 24, &mut [0f32; 10], None).is_err());
+}
+
+/// A NaN or an infinity in a gradient must stay visible after an int8 round trip (as NaN:
+/// a gradient scaler checks exactly that), must not spoil the other elements of its block
+/// (int8 gave `[-inf, -inf, -inf, -inf]` for `[inf, 1, 2, 3]` and a finite -6 for a NaN),
+/// and error feedback must not carry it into later steps.
+#[test]
+fn int8_keeps_nan_and_infinity_visible_and_its_block_intact() {
+    for x in [
+        vec![f32::NAN, 1.0, 2.0, 3.0],
+        vec![f32::INFINITY, 1.0, 2.0, 3.0],
+        vec![1.0, f32::NEG_INFINITY, -2.0, 3.0],
+        vec![0.0, f32::NAN, 0.0, 0.0],
+        vec![f32::INFINITY, f32::NAN, f32::NEG_INFINITY, 0.0],
+    ] {
+        for sr in [false, true] {
+            let mut codec = if sr {
+                Int8Block::stochastic(4, 1)
+            } else {
+                Int8Block::new(4)
+            }
+            .unwrap();
+            let mut enc = vec![0u8; codec.encoded_len(4)];
+            codec.encode(&x, &mut enc).unwrap();
+            let mut dec = vec![0f32; 4];
+            codec.decode(&enc, &mut dec).unwrap();
+            let m = x
+                .iter()
+                .filter(|v| v.is_finite())
+                .fold(0f32, |m, v| m.max(v.abs()));
+            for (v, d) in x.iter().zip(&dec) {
+                if v.is_finite() {
+                    assert!((v - d).abs() <= codec.error_bound(m), "{x:?} -> {dec:?}");
+                } else {
+                    assert!(d.is_nan(), "{x:?} -> {dec:?}");
+                }
+            }
+            // Error feedback: nothing non-finite is kept, and the next step is clean.
+            let mut residual = vec![0f32; 4];
+            codec
+                .encode_keeping_error(&x, &mut residual, &mut enc)
+                .unwrap();
+            assert!(
+                residual.iter().all(|r| r.is_finite()),
+                "{x:?}: {residual:?}"
+            );
+            let clean = [1.0f32, 2.0, 3.0, 4.0];
+            codec
+                .encode_keeping_error(&clean, &mut residual, &mut enc)
+                .unwrap();
+            codec.decode(&enc, &mut dec).unwrap();
+            assert!(
+                dec.iter().all(|d| d.is_finite()),
+                "{x:?} then clean: {dec:?}"
+            );
+        }
+    }
+}
+
+/// Error feedback of every codec forgets a non-finite error: one NaN step must not leave the
+/// element NaN in every later step.
+#[test]
+fn error_feedback_does_not_carry_a_nan_into_later_steps() {
+    let codecs: Vec<(&str, Box<dyn Codec>)> = vec![
+        ("fp16", Box::new(Half::F16)),
+        ("bf16", Box::new(Half::Bf16)),
+        ("int8", Box::new(Int8Block::new(4).unwrap())),
+        ("sign", Box::new(SignBlock::new(4).unwrap())),
+        ("topk", Box::new(TopK::new(2).unwrap())),
+    ];
+    for (name, mut codec) in codecs {
+        let mut residual = vec![0f32; 8];
+        let mut enc = vec![0u8; codec.encoded_len(8)];
+        let mut x = vec![1.0f32; 8];
+        x[3] = f32::NAN;
+        codec
+            .encode_keeping_error(&x, &mut residual, &mut enc)
+            .unwrap();
+        let mut dec = vec![0f32; 8];
+        for _ in 0..3 {
+            codec
+                .encode_keeping_error(&[1.0; 8], &mut residual, &mut enc)
+                .unwrap();
+            codec.decode(&enc, &mut dec).unwrap();
+        }
+        assert!(dec.iter().all(|d| d.is_finite()), "{name}: {dec:?}");
+        assert!(
+            residual.iter().all(|r| r.is_finite()),
+            "{name}: {residual:?}"
+        );
+    }
+}
+
+/// End to end: a compressed all-reduce (int8, 2 and 3 ranks, both transports) in which one
+/// rank's gradient holds a NaN and another's an infinity gives NaN at those elements and the
+/// right sums elsewhere.
+#[test]
+fn a_compressed_all_reduce_keeps_non_finite_elements_visible() {
+    let n = 64;
+    for world in [2usize, 3] {
+        for transport in [TransportKind::Tcp, TransportKind::Auto] {
+            let out = ranks(world, transport, |c| {
+                let mut state = CompressionState::new(Compressor::INT8)?;
+                let mut g: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+                match c.rank() {
+                    0 => g[5] = f32::NAN,
+                    1 => g[40] = f32::INFINITY,
+                    _ => {}
+                }
+                c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+                Ok(g)
+            });
+            for g in out {
+                for (i, v) in g.iter().enumerate() {
+                    if i == 5 || i == 40 {
+                        assert!(v.is_nan(), "{world} ranks {transport:?}: element {i} = {v}");
+                    } else {
+                        let want = world as f32 * ((i % 7) as f32 - 3.0);
+                        assert!(
+                            (v - want).abs() <= 0.1 * world as f32,
+                            "element {i}: {v} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

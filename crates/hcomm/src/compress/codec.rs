@@ -38,10 +38,13 @@ fn check_residual(name: &str, residual: usize, n: usize) -> Result<()> {
 }
 
 /// `sum = x + residual`, element-wise (error feedback's input).
+/// `sum = x + residual`, where a residual that is not finite counts as 0: an input element
+/// that was NaN or infinite leaves a non-finite error behind, which error feedback must not
+/// add to every later step of that element (it would stay NaN forever).
 fn add_residual(sum: &mut [f32], x: &[f32], residual: &[f32]) {
     sum.iter_mut()
         .zip(x.iter().zip(residual))
-        .for_each(|(t, (a, r))| *t = a + r);
+        .for_each(|(t, (a, r))| *t = a + if r.is_finite() { *r } else { 0.0 });
 }
 
 /// An f32 codec: a fixed wire size for a given input length, an encoder and a decoder.
@@ -281,6 +284,11 @@ fn block_check(name: &str, block: usize) -> Result<()> {
 /// with largest magnitude `m` has scale `s = m / 127` and codes `q = round(x / s)` in
 /// `-127..=127` (round half up); it decodes as `q * s`.
 ///
+/// A NaN or infinite element gets the code -128 (which no finite element gets) and decodes as
+/// NaN; the block's scale comes from its finite elements, which decode as usual. (A sum that
+/// met a non-finite value is not finite either, so a compressed all-reduce keeps NaN and inf
+/// visible, as NaN, to whoever checks the gradients, e.g. a gradient scaler.)
+///
 /// Bound: `|x - decode(encode(x))| <= m / 254 + m * 2^-20` (the second term covers f32
 /// rounding). With stochastic rounding (`q = floor(x / s + u)`, `u` uniform in `[0, 1)`),
 /// the decoded value is an unbiased estimate of `x`, and the error is below `m / 127 +
@@ -324,10 +332,17 @@ impl Int8Block {
 
     /// Encode one block into `codes` (as many bytes as elements); returns its scale.
     fn encode_block(&mut self, xb: &[f32], codes: &mut [u8]) -> f32 {
-        let s = max_abs(xb) / 127.0;
+        let m = max_abs(xb);
+        let s = m / 127.0;
         if s == 0.0 {
-            codes.fill(0);
+            // Zeros, and perhaps NaNs (which `max_abs` ignores).
+            for (c, v) in codes.iter_mut().zip(xb) {
+                *c = if v.is_nan() { INT8_NON_FINITE } else { 0 };
+            }
             return s;
+        }
+        if !s.is_finite() || !(1.0 / s).is_finite() {
+            return encode_block_rare(xb, codes);
         }
         // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
         // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
@@ -335,18 +350,53 @@ impl Int8Block {
         // 2^-24, inside the bound's slack.)
         let inv = 1.0 / s;
         match &mut self.rng {
-            // floor(t + 128.5) in 1..=255 (1 for NaN): the code + 128, top bit flipped.
+            // floor(t + 128.5) in 1..=255 (0 for NaN): the code + 128, top bit flipped.
             None => crate::base::simd::int8_codes(xb, inv, codes),
             Some(rng) => {
                 for (c, &v) in codes.iter_mut().zip(xb) {
                     let u = rng.next_unit_f32();
                     let q = ((v * inv + 128.0 + u) as u8).max(1);
-                    *c = q ^ 0x80;
+                    *c = if v.is_nan() {
+                        INT8_NON_FINITE
+                    } else {
+                        q ^ 0x80
+                    };
                 }
             }
         }
         s
     }
+}
+
+/// The int8 code of a NaN or infinite element; it decodes as NaN. Finite elements get codes
+/// in `-127..=127` only.
+const INT8_NON_FINITE: u8 = 0x80;
+
+/// One int8 block holding an infinity, or whose scale is so small that its inverse is not
+/// finite: the scale comes from the finite elements; the codes as in the common case where
+/// the inverse of that scale is finite, else computed in f64; rounded to nearest also under
+/// stochastic rounding (such blocks are rare); the non-finite elements get
+/// [`INT8_NON_FINITE`].
+fn encode_block_rare(xb: &[f32], codes: &mut [u8]) -> f32 {
+    let m = xb
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f32, |m, v| m.max(v.abs()));
+    let s = m / 127.0;
+    let inv = 1.0 / s;
+    for (c, &v) in codes.iter_mut().zip(xb) {
+        *c = if !v.is_finite() {
+            INT8_NON_FINITE
+        } else if s == 0.0 {
+            0
+        } else if inv.is_finite() {
+            ((v * inv + 128.5) as u8).max(1) ^ 0x80
+        } else {
+            let t = (v as f64 * 127.0 / m as f64 + 128.5).clamp(1.0, 255.0);
+            (t as u8) ^ 0x80
+        };
+    }
+    s
 }
 
 /// `residual[i] = sum[i] - (0 + code[i] · s)`: what encoding `sum` lost (a [`Kernel`], so
@@ -359,7 +409,12 @@ impl Kernel for Int8Error<'_> {
     fn run(self) {
         let Int8Error(residual, sum, codes, s) = self;
         for ((r, &v), &c) in residual.iter_mut().zip(sum).zip(codes) {
-            *r = v - (0.0 + (c as i8) as f32 * s);
+            // A non-finite element leaves no error to feed back.
+            *r = if c == INT8_NON_FINITE {
+                0.0
+            } else {
+                v - (0.0 + (c as i8) as f32 * s)
+            };
         }
     }
 }
@@ -372,7 +427,11 @@ impl Kernel for Int8AddDecoded<'_> {
     fn run(self) {
         let Int8AddDecoded(out, codes, s) = self;
         for (o, &c) in out.iter_mut().zip(codes) {
-            *o += (c as i8) as f32 * s;
+            *o += if c == INT8_NON_FINITE {
+                f32::NAN
+            } else {
+                (c as i8) as f32 * s
+            };
         }
     }
 }
