@@ -251,3 +251,43 @@ fn zero_copy_window_all_reduce_matches_the_reference() {
         }
     }
 }
+
+/// A rank that maps its own memory before allocating any is told at once (nobody else can
+/// publish it), and a peer's freed segment is a timeout that says so, not a closed connection.
+#[test]
+fn get_shared_of_this_rank_fails_at_once_and_a_freed_segment_is_named() {
+    let res = run_threads(2, Duration::from_secs(2), |c| {
+        let started = std::time::Instant::now();
+        match c.get_shared(c.rank()) {
+            Err(Error::InvalidArgument { msg, .. }) => {
+                assert!(
+                    msg.contains("is this rank") && msg.contains("alloc_shared"),
+                    "{msg}"
+                )
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "it waited for the timeout"
+        );
+        if c.rank() == 1 {
+            drop(c.alloc_shared(64)?); // allocated and freed at once
+        }
+        c.barrier()?;
+        if c.rank() == 0 {
+            match c.get_shared(1) {
+                Err(e @ Error::Timeout { .. }) => assert!(
+                    e.to_string().contains("rank 1 freed its shared memory"),
+                    "{e}"
+                ),
+                other => panic!("{:?}", other.err()),
+            }
+        }
+        c.barrier()?;
+        Ok(())
+    });
+    for r in res {
+        r.unwrap();
+    }
+}

@@ -308,6 +308,20 @@ impl Communicator {
     /// (`GetSharedMemory`), waiting for it up to the timeout. Zero-copy, read-write.
     pub fn get_shared(&self, src_rank: usize) -> Result<SharedMemory> {
         self.check_same_host("get_shared", src_rank)?;
+        if src_rank == self.rank() {
+            // Nobody else can publish this rank's memory: waiting for it would only time out.
+            let key = format!("{}/shared/{src_rank}", self.id());
+            if let Err(Error::Timeout { .. }) = self.store_get(&key, Instant::now()) {
+                return Err(Error::invalid(
+                    "get_shared",
+                    0,
+                    format!(
+                        "rank {src_rank} is this rank, which has no shared memory published: \
+                         call AllocateSharedMemory / alloc_shared first"
+                    ),
+                ));
+            }
+        }
         self.map_published(
             &format!("{}/shared/{src_rank}", self.id()),
             src_rank,
@@ -337,12 +351,12 @@ impl Communicator {
             })?;
             let text = String::from_utf8_lossy(&rec).into_owned();
             if let Some(reason) = text.strip_prefix(FAILED) {
-                return Err(Error::Remote {
-                    ctx,
-                    peer: owner,
-                    culprit: Some(owner),
-                    msg: format!("it could not reserve its part: {reason}"),
-                });
+                // Like the failing rank's own error, not fatal: nothing was kept anywhere.
+                return Err(Error::invalid(
+                    op,
+                    0,
+                    format!("rank {owner} could not reserve its part: {reason}"),
+                ));
             }
             let f: Vec<&str> = text.split(' ').collect();
             let bad = || Error::Protocol {
@@ -386,11 +400,17 @@ impl Communicator {
                 }
                 // Stale (the owner freed that segment): wait for a new record.
                 _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                // The owner is alive (its process is there) but freed that segment and has
+                // not published another: a wait that timed out, not a closed connection.
                 _ => {
-                    return Err(Error::PeerClosed {
+                    return Err(Error::Timeout {
                         ctx,
-                        peer: owner,
-                        detail: format!("its shared memory {path} was freed"),
+                        peers: vec![owner],
+                        after: self.timeout(),
+                        detail: format!(
+                            "rank {owner} freed its shared memory ({path}) and has not called \
+                             {call} again"
+                        ),
                     })
                 }
             }
