@@ -97,8 +97,15 @@ fn a_block_length_the_ranks_disagree_on_fails_everywhere() {
             }
         } else {
             // TCP: at least the receiver fails (the others may finish their own blocks)
+            // Both calls read all_to_all(count=0, ...): the message says what differs.
             let e = results[2].as_ref().unwrap_err().to_string();
-            assert!(e.contains("rank 0") || e.contains("size"), "{e}");
+            assert!(
+                e.contains("mismatch with rank 0")
+                    && e.contains("it sent 36000 bytes")
+                    && e.contains("expects 32000 bytes")
+                    && e.contains("disagree on the per-rank counts"),
+                "{e}"
+            );
         }
     }
 }

@@ -515,13 +515,28 @@ pub(super) fn unexpected(ctx: &OpContext, peer: usize, hdr: &Header, recvs: &[Re
             Expect::Control(_, t) => format!("a signal/handshake with tag {t}"),
         })
         .unwrap_or_else(|| "nothing from it".into());
+    let theirs = describe(hdr);
+    // Calls that read the same differ in what the descriptions leave out: the sizes of the
+    // blocks (all-to-all-v, gather-v, ...) or the step of the schedule.
+    let detail = match recvs.iter().find(|r| r.peer == peer && !r.done()) {
+        Some(RecvOp {
+            expect: Expect::Coll(fp),
+            sink,
+            ..
+        }) if theirs == mine => format!(
+            " (it sent {} bytes at step {} where this rank expects {} bytes at step {}: the \
+             ranks disagree on the per-rank counts or sizes)",
+            hdr.len,
+            hdr.tag,
+            sink.len(),
+            fp.tag
+        ),
+        _ => String::new(),
+    };
     Error::Mismatch {
         ctx: ctx.clone(),
         peer,
-        msg: format!(
-            "rank {peer} called {} while this rank waits for {mine}",
-            describe(hdr)
-        ),
+        msg: format!("rank {peer} called {theirs} while this rank waits for {mine}{detail}"),
     }
 }
 
