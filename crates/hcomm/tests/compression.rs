@@ -212,8 +212,8 @@ proptest! {
     #[test]
     fn int8_bytes_are_the_specifications_one_element_at_a_time(x in special_vec_strategy(), block in 1usize..300) {
         // The wire format is shared by every rank and every version: pin it to the
-        // specification written out scalar (scale = largest finite |x| over 127; a NaN or
-        // infinite element's code is -128; else code = floor(x / scale + 128.5) saturated to
+        // specification written out scalar (scale = largest finite |x| over 127, negated if the
+        // block holds a NaN or an infinity; such an element's code is -128; else code = floor(x / scale + 128.5) saturated to
         // 1..=255, minus 128, in f32 where 1 / scale is finite, in f64 where it is not),
         // whatever the kernels do.
         let mut want = Vec::new();
@@ -221,7 +221,9 @@ proptest! {
         for xb in x.chunks(block) {
             let m = xb.iter().filter(|v| v.is_finite()).fold(0f32, |m, v| if v.abs() > m { v.abs() } else { m });
             let s = m / 127.0;
-            want.extend_from_slice(&s.to_ne_bytes());
+            // negated when the block holds a non-finite element
+            let sent = if xb.iter().all(|v| v.is_finite()) { s } else { -s };
+            want.extend_from_slice(&sent.to_ne_bytes());
             let inv = 1.0 / s;
             codes.extend(xb.iter().map(|&v| {
                 if !v.is_finite() {

@@ -90,33 +90,38 @@ pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
 }
 
 /// `codes[i]` = `floor(x[i] · inv + 128.5)` clamped to `0..=255`, top bit flipped (NaN
-/// gives 0, the non-finite code): the int8 codec's quantisation
-/// (`compress::codec::Int8Block`). Clamped in f32 and converted without Rust's saturating
-/// cast, which compiles to one scalar conversion per element with range checks; this loop
-/// is vectorised (in AVX2 where the CPU has it). The same value as the saturating
-/// `(x · inv + 128.5) as u8` for every input.
-pub(crate) fn int8_codes(x: &[f32], inv: f32, codes: &mut [u8]) {
+/// gives 0, the int8 codec's non-finite code): the int8 codec's quantisation
+/// (`compress::codec::Int8Block`). Returns whether any code is that one. Clamped in f32 and
+/// converted without Rust's saturating cast, which compiles to one scalar conversion per
+/// element with range checks; this loop is vectorised (in AVX2 where the CPU has it). The
+/// same value as the saturating `(x · inv + 128.5) as u8` for every input.
+pub(crate) fn int8_codes(x: &[f32], inv: f32, codes: &mut [u8]) -> bool {
     assert_eq!(x.len(), codes.len(), "int8_codes: lengths differ");
-    struct Codes<'a>(&'a [f32], f32, &'a mut [u8]);
+    struct Codes<'a>(&'a [f32], f32, &'a mut [u8], &'a mut bool);
     impl Kernel for Codes<'_> {
         #[inline(always)]
         fn run(self) {
-            let Codes(x, inv, codes) = self;
+            let Codes(x, inv, codes, any_zero) = self;
+            let mut zero = 0u8;
             for (c, &v) in codes.iter_mut().zip(x) {
                 // `max` returns the other operand for a NaN, so `t` is finite, in [0, 255]
                 // (`clamp` would keep the NaN); a finite element of the block the scale was
-                // taken from gives at least 1, a NaN (or -inf) 0: the code -128, which the
-                // int8 codec decodes as NaN.
+                // taken from gives at least 1, a NaN 0: the code -128, which the int8 codec
+                // decodes as NaN.
                 #[allow(clippy::manual_clamp)]
                 let t = (v * inv + 128.5).max(0.0).min(255.0);
                 // SAFETY: `t` is finite and within 0.0..=255.0 (just above), so its integer
                 // part fits in an i32: the one requirement of `to_int_unchecked`.
                 let q = unsafe { t.to_int_unchecked::<i32>() } as u8;
+                zero |= (q == 0) as u8;
                 *c = q ^ 0x80;
             }
+            *any_zero = zero != 0;
         }
     }
-    run_wide(Codes(x, inv, codes))
+    let mut any_zero = false;
+    run_wide(Codes(x, inv, codes, &mut any_zero));
+    any_zero
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -38,13 +38,24 @@ fn check_residual(name: &str, residual: usize, n: usize) -> Result<()> {
 }
 
 /// `sum = x + residual`, element-wise (error feedback's input).
-/// `sum = x + residual`, where a residual that is not finite counts as 0: an input element
-/// that was NaN or infinite leaves a non-finite error behind, which error feedback must not
-/// add to every later step of that element (it would stay NaN forever).
+/// `sum = x + residual`. Residuals are always finite: every codec writes 0 for the error of
+/// an element that was NaN or infinite (error feedback must not add it to every later step of
+/// that element, which would stay NaN for ever); see [`finite_or_zero`].
 fn add_residual(sum: &mut [f32], x: &[f32], residual: &[f32]) {
     sum.iter_mut()
         .zip(x.iter().zip(residual))
-        .for_each(|(t, (a, r))| *t = a + if r.is_finite() { *r } else { 0.0 });
+        .for_each(|(t, (a, r))| *t = a + r);
+}
+
+/// The error to keep for an element: `e`, or 0 where it is not finite (the element was NaN
+/// or infinite: there is nothing to feed back).
+#[inline(always)]
+fn finite_or_zero(e: f32) -> f32 {
+    if e.is_finite() {
+        e
+    } else {
+        0.0
+    }
 }
 
 /// An f32 codec: a fixed wire size for a given input length, an encoder and a decoder.
@@ -93,7 +104,7 @@ fn encode_keeping_error_in_passes<C: Codec + ?Sized>(
     residual
         .iter_mut()
         .zip(&sum)
-        .for_each(|(r, &v)| *r = v - *r);
+        .for_each(|(r, &v)| *r = finite_or_zero(v - *r));
     Ok(())
 }
 
@@ -235,13 +246,12 @@ impl Codec for Half {
             self.decode(oc, d)?;
             rc.iter_mut()
                 .zip(t.iter().zip(d.iter()))
-                .for_each(|(r, (v, d))| *r = v - d);
+                .for_each(|(r, (v, d))| *r = finite_or_zero(v - d));
         }
         Ok(())
     }
 }
 
-/// Largest magnitude of a block (NaN ignored; written so that it vectorises).
 /// The largest `|x[i]|`, NaNs ignored (0 for none). Sixteen running maxima, so the loop is
 /// vectorised (one running maximum is a chain of dependent compares, one element at a
 /// time); the maximum of a set does not depend on the order it is taken in, so the result
@@ -285,7 +295,8 @@ fn block_check(name: &str, block: usize) -> Result<()> {
 /// `-127..=127` (round half up); it decodes as `q * s`.
 ///
 /// A NaN or infinite element gets the code -128 (which no finite element gets) and decodes as
-/// NaN; the block's scale comes from its finite elements, which decode as usual. (A sum that
+/// NaN; the block's scale comes from its finite elements, which decode as usual, and is sent
+/// negated (its sign bit marks the blocks that hold such codes). (A sum that
 /// met a non-finite value is not finite either, so a compressed all-reduce keeps NaN and inf
 /// visible, as NaN, to whoever checks the gradients, e.g. a gradient scaler.)
 ///
@@ -330,28 +341,30 @@ impl Int8Block {
         max_abs * (step + 1.0 / (1u32 << 20) as f32)
     }
 
-    /// Encode one block into `codes` (as many bytes as elements); returns its scale.
+    /// Encode one block into `codes` (as many bytes as elements); returns its scale (with the
+    /// sign bit set when the block holds non-finite elements, see [`INT8_NON_FINITE`]).
     fn encode_block(&mut self, xb: &[f32], codes: &mut [u8]) -> f32 {
-        let m = max_abs(xb);
-        let s = m / 127.0;
+        let s = max_abs(xb) / 127.0;
+        if !s.is_finite() || (s != 0.0 && !(1.0 / s).is_finite()) {
+            // An infinity, or a scale too small to invert.
+            return encode_block_rare(xb, codes);
+        }
         if s == 0.0 {
-            // Zeros, and perhaps NaNs (which `max_abs` ignores).
-            for (c, v) in codes.iter_mut().zip(xb) {
-                *c = if v.is_nan() { INT8_NON_FINITE } else { 0 };
+            codes.fill(0);
+            if xb.iter().any(|v| v.is_nan()) {
+                return encode_block_rare(xb, codes);
             }
             return s;
-        }
-        if !s.is_finite() || !(1.0 / s).is_finite() {
-            return encode_block_rare(xb, codes);
         }
         // t = x / s is in [-127, 127], so `t + 128 + r` (r = 0.5, or u in [0, 1)) is in
         // [1, 256): `as u8` (saturating) is its floor, the code plus 128, whose top bit
         // flipped is the code as an i8. (x * (1 / s) instead of x / s: two roundings of
         // 2^-24, inside the bound's slack.)
         let inv = 1.0 / s;
+        let mut nan = false;
         match &mut self.rng {
             // floor(t + 128.5) in 1..=255 (0 for NaN): the code + 128, top bit flipped.
-            None => crate::base::simd::int8_codes(xb, inv, codes),
+            None => nan = crate::base::simd::int8_codes(xb, inv, codes),
             Some(rng) => {
                 for (c, &v) in codes.iter_mut().zip(xb) {
                     let u = rng.next_unit_f32();
@@ -361,22 +374,29 @@ impl Int8Block {
                     } else {
                         q ^ 0x80
                     };
+                    nan |= v.is_nan();
                 }
             }
         }
-        s
+        // A NaN (which the maximum ignores) got the non-finite code: say so in the scale.
+        if nan {
+            -s
+        } else {
+            s
+        }
     }
 }
 
 /// The int8 code of a NaN or infinite element; it decodes as NaN. Finite elements get codes
-/// in `-127..=127` only.
+/// in `-127..=127` only. A block holding one says so with its scale's sign bit (scales are
+/// otherwise never negative), so that only such blocks take the decoder's slow path.
 const INT8_NON_FINITE: u8 = 0x80;
 
-/// One int8 block holding an infinity, or whose scale is so small that its inverse is not
-/// finite: the scale comes from the finite elements; the codes as in the common case where
-/// the inverse of that scale is finite, else computed in f64; rounded to nearest also under
-/// stochastic rounding (such blocks are rare); the non-finite elements get
-/// [`INT8_NON_FINITE`].
+/// One int8 block holding a NaN or an infinity, or whose scale is so small that its inverse
+/// is not finite: the scale comes from the finite elements; the codes as in the common case
+/// where the inverse of that scale is finite, else computed in f64; rounded to nearest also
+/// under stochastic rounding (such blocks are rare); the non-finite elements get
+/// [`INT8_NON_FINITE`], and then the scale is returned negated.
 fn encode_block_rare(xb: &[f32], codes: &mut [u8]) -> f32 {
     let m = xb
         .iter()
@@ -396,7 +416,17 @@ fn encode_block_rare(xb: &[f32], codes: &mut [u8]) -> f32 {
             (t as u8) ^ 0x80
         };
     }
-    s
+    if xb.iter().all(|v| v.is_finite()) {
+        s
+    } else {
+        -s
+    }
+}
+
+/// The scale of a block and whether it holds [`INT8_NON_FINITE`] codes.
+#[inline(always)]
+fn int8_scale(s: f32) -> (f32, bool) {
+    (s.abs(), s.is_sign_negative())
 }
 
 /// `residual[i] = sum[i] - (0 + code[i] · s)`: what encoding `sum` lost (a [`Kernel`], so
@@ -409,12 +439,7 @@ impl Kernel for Int8Error<'_> {
     fn run(self) {
         let Int8Error(residual, sum, codes, s) = self;
         for ((r, &v), &c) in residual.iter_mut().zip(sum).zip(codes) {
-            // A non-finite element leaves no error to feed back.
-            *r = if c == INT8_NON_FINITE {
-                0.0
-            } else {
-                v - (0.0 + (c as i8) as f32 * s)
-            };
+            *r = v - (0.0 + (c as i8) as f32 * s);
         }
     }
 }
@@ -427,11 +452,7 @@ impl Kernel for Int8AddDecoded<'_> {
     fn run(self) {
         let Int8AddDecoded(out, codes, s) = self;
         for (o, &c) in out.iter_mut().zip(codes) {
-            *o += if c == INT8_NON_FINITE {
-                f32::NAN
-            } else {
-                (c as i8) as f32 * s
-            };
+            *o += (c as i8) as f32 * s;
         }
     }
 }
@@ -479,8 +500,20 @@ impl Codec for Int8Block {
             add_residual(t, xb, rb);
             let s = self.encode_block(t, cb);
             sb.copy_from_slice(&s.to_ne_bytes());
-            // the error: x + r - decoded, decoded = 0 + code * s as decode gives it
-            run_wide(Int8Error(rb, t, cb, s));
+            // the error: x + r - decoded, decoded = 0 + code * s as decode gives it; none for
+            // a non-finite element
+            match int8_scale(s) {
+                (s, false) => run_wide(Int8Error(rb, t, cb, s)),
+                (s, true) => {
+                    for ((r, &v), &c) in rb.iter_mut().zip(t.iter()).zip(cb.iter()) {
+                        *r = if c == INT8_NON_FINITE {
+                            0.0
+                        } else {
+                            v - (0.0 + (c as i8) as f32 * s)
+                        };
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -494,8 +527,18 @@ impl Codec for Int8Block {
             .zip(codes.chunks(self.block))
             .zip(scales.chunks(4))
         {
-            let s = f32::from_ne_bytes(sb.try_into().expect("4 bytes"));
-            run_wide(Int8AddDecoded(ob, cb, s));
+            match int8_scale(f32::from_ne_bytes(sb.try_into().expect("4 bytes"))) {
+                (s, false) => run_wide(Int8AddDecoded(ob, cb, s)),
+                (s, true) => {
+                    for (o, &c) in ob.iter_mut().zip(cb) {
+                        *o += if c == INT8_NON_FINITE {
+                            f32::NAN
+                        } else {
+                            (c as i8) as f32 * s
+                        };
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -605,6 +648,11 @@ impl Codec for SignBlock {
             }
             // the error: t - decoded, decoded = 0 + (±s) as decode gives it (the sign bit of
             // t is the sign of its decoded value)
+            if !s.is_finite() {
+                // A NaN or infinity in the block: its scale, and every error, is not finite.
+                rb.fill(0.0);
+                continue;
+            }
             let s = s.to_bits();
             for (r, &v) in rb.iter_mut().zip(t.iter()) {
                 *r = v - (0.0 + f32::from_bits(s ^ (v.to_bits() & 0x8000_0000)));
