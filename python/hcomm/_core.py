@@ -108,6 +108,9 @@ def _check_out(op: str, out: Any, like: Any, shape: Sequence[int]) -> Any:
     _check_tensor(op, "out", out)
     if _shape(out) != tuple(shape):
         raise InvalidArgumentError(f"{op}: out has shape {_shape(out)}, expected {tuple(shape)}")
+    if _is_torch(out) != _is_torch(like):
+        kind = lambda t: "a torch.Tensor" if _is_torch(t) else f"a {type(t).__module__}.{type(t).__name__}"
+        raise TypeError(f"{op}: out is {kind(out)} but the input is {kind(like)}: pass the same kind")
     if str(out.dtype) != str(like.dtype):
         raise TypeError(f"{op}: out has dtype {out.dtype}, the input {like.dtype}")
     return out

@@ -312,6 +312,8 @@ def test_torch_tensors_in_place_and_errors(comm):
         comm.all_reduce(torch.ones(3, device="meta"))
     with pytest.raises(TypeError, match="dtype"):
         comm.all_reduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="out is a numpy.ndarray but the input is a torch.Tensor"):
+        comm.all_gather(torch.ones(3), out=np.ones(3, dtype=np.float32))
     # A lazily negated view keeps its values un-negated in memory: refused, not reduced wrong.
     with pytest.raises(ValueError, match="negated view"):
         comm.all_reduce(torch.full((3,), 2.0)._neg_view(), op="max")
