@@ -1119,8 +1119,6 @@ class Communicator:
         op = _op(name, op)
         coo = values is None and _is_torch(tensor) and getattr(tensor, "is_sparse", False)
         if coo:
-            import torch
-
             t = tensor.coalesce() if not tensor.is_coalesced() else tensor
             if t.sparse_dim() != 1:
                 raise InvalidArgumentError(
