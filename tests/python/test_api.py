@@ -147,6 +147,12 @@ def test_integer_and_op_arguments_are_checked_by_name(comm):
     ]:
         with pytest.raises(TypeError, match=match):
             call()
+    # a timeout past what the clock can count: an error, not a panic inside the binding
+    old = comm.timeout
+    for bad in (1e30, float("inf"), -1.0):
+        with pytest.raises(hcomm.InvalidArgumentError, match="timeout"):
+            comm.timeout = bad
+    assert comm.timeout == old
     a = np.ones(3)
     assert comm.broadcast(a, root_rank=np.int64(0)) is a
     comm.all_reduce(a)  # not fatal: the communicator still works

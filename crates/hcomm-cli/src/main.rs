@@ -167,8 +167,8 @@ struct DoctorArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// Ranks to start on this node.
-    #[arg(short = 'n', long = "nprocs", default_value_t = 1)]
+    /// Ranks to start on this node (`--np`, and MPI's `-np`, are accepted too).
+    #[arg(short = 'n', long = "nprocs", alias = "np", default_value_t = 1)]
     nprocs: usize,
     /// Number of nodes (each runs `hcomm run` with its --node-rank).
     #[arg(long, default_value_t = 1)]
@@ -507,6 +507,15 @@ fn cmd_run(a: RunArgs) -> ExitCode {
         hcomm_cli::say!("hcomm run: no program given");
         return ExitCode::from(2);
     };
+    // The program list takes anything after the options, so an option `hcomm run` does not
+    // know would otherwise be started as the program.
+    if prog.to_string_lossy().starts_with('-') {
+        hcomm_cli::say!(
+            "hcomm run: unknown option '{}' (see hcomm run --help; the program goes last, e.g. hcomm run -n 2 -- python train.py)",
+            prog.to_string_lossy()
+        );
+        return ExitCode::from(2);
+    }
     let mut spec = LaunchSpec::new(a.nprocs, prog, program.collect::<Vec<_>>());
     spec.nnodes = a.nnodes;
     spec.node_rank = a.node_rank;
@@ -520,12 +529,21 @@ fn cmd_run(a: RunArgs) -> ExitCode {
             .rsplit_once(':')
             .map(|(h, p)| (h.to_string(), p.parse::<u16>()))
         {
-            Some((h, Ok(p))) => {
+            Some((h, Ok(p))) if !h.is_empty() && p != 0 => {
+                if a.port.is_some_and(|q| q != p) {
+                    hcomm_cli::say!(
+                        "hcomm run: --port {} and --master {m} name different ports: give one",
+                        a.port.unwrap_or(0)
+                    );
+                    return ExitCode::from(2);
+                }
                 spec.master_addr = h;
                 spec.master_port = Some(p);
             }
             _ => {
-                hcomm_cli::say!("hcomm run: --master must be HOST:PORT, got '{m}'");
+                hcomm_cli::say!(
+                    "hcomm run: --master must be HOST:PORT with a host and a port of 1-65535, got '{m}'"
+                );
                 return ExitCode::from(2);
             }
         }
@@ -799,6 +817,19 @@ fn cmd_simulate(a: SimulateArgs) -> ExitCode {
     {
         hcomm_cli::say!("hcomm simulate: ranks, hosts, bandwidths and rates must be positive, latencies not negative");
         return ExitCode::from(2);
+    }
+    // The model keeps per-rank state: a world it could not hold is refused, not attempted.
+    const MAX_SIMULATED_RANKS: usize = 1 << 20;
+    match a.hosts.checked_mul(a.ranks_per_host) {
+        Some(n) if n <= MAX_SIMULATED_RANKS => {}
+        _ => {
+            hcomm_cli::say!(
+                "hcomm simulate: {} hosts x {} ranks per host is more than the {MAX_SIMULATED_RANKS} ranks it simulates",
+                a.hosts,
+                a.ranks_per_host
+            );
+            return ExitCode::from(2);
+        }
     }
     if let Some(path) = &a.calibrate {
         return simulate_calibrate(path, a.reduce_gbs * 1e9, a.json);
@@ -1131,11 +1162,20 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
         let Some((host, port)) = m
             .rsplit_once(':')
             .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h.to_string(), p)))
+            .filter(|(h, p)| !h.is_empty() && *p != 0)
         else {
-            hcomm_cli::say!("hcomm doctor: --master must be HOST:PORT, got '{m}'");
+            hcomm_cli::say!(
+                "hcomm doctor: --master must be HOST:PORT with a host and a port of 1-65535, got '{m}'"
+            );
             return ExitCode::from(2);
         };
-        let cfg = hcomm::testing::local_config(0, 1, port, Duration::from_secs(30));
+        // The checks wait as a job would: HCOMM_TIMEOUT when it is set (and valid).
+        let timeout =
+            hcomm::config::parse_duration(&std::env::var("HCOMM_TIMEOUT").unwrap_or_default())
+                .ok()
+                .filter(|t| !t.is_zero() && *t <= hcomm::BootstrapConfig::MAX_TIMEOUT)
+                .unwrap_or(Duration::from_secs(30));
+        let cfg = hcomm::testing::local_config(0, 1, port, timeout);
         let cfg = hcomm::BootstrapConfig {
             master_addr: host,
             ..cfg
@@ -1225,10 +1265,15 @@ fn cmd_doctor(a: DoctorArgs) -> ExitCode {
 
 fn main() -> ExitCode {
     hcomm_launch::init_logging();
-    // Accept MPI/nccl-tests style `-np N` as `--np N`.
+    // Accept MPI/nccl-tests style `-np N` as `--np N`, up to a `--`: what follows it is the
+    // launched program's, which may have a `-np` of its own.
+    let mut after_separator = false;
     let args: Vec<OsString> = std::env::args_os()
         .map(|a| {
-            if a == "-np" {
+            after_separator |= a == "--";
+            if after_separator {
+                a
+            } else if a == "-np" {
                 OsString::from("--np")
             } else if let Some(n) = a.to_str().and_then(|s| s.strip_prefix("-np=")) {
                 OsString::from(format!("--np={n}"))

@@ -1047,3 +1047,98 @@ fn the_bench_guard_compares_each_case_with_its_last_run() {
         "{rows}"
     );
 }
+
+/// Command-line and configuration mistakes found by a wrong-input campaign (2026-12-07): each
+/// is refused with a message that names it, never run as something else, ignored or a panic.
+#[test]
+fn launcher_and_tool_mistakes_are_refused_by_name() {
+    let t = Duration::from_secs(30);
+    for (args, want) in [
+        // an option `hcomm run` does not know used to be started as the program
+        (
+            &["run", "--bogus", "--", "true"][..],
+            "unknown option '--bogus'",
+        ),
+        (
+            &[
+                "run",
+                "-n",
+                "1",
+                "--port",
+                "29500",
+                "--master",
+                "127.0.0.1:29600",
+                "--",
+                "true",
+            ][..],
+            "--port 29500 and --master 127.0.0.1:29600 name different ports",
+        ),
+        (
+            &["run", "--master", ":29500", "--", "true"][..],
+            "with a host and a port of 1-65535",
+        ),
+        (
+            &["doctor", "--master", "127.0.0.1:0"][..],
+            "with a host and a port of 1-65535",
+        ),
+        (
+            // 2^32 x 2^32 ranks used to overflow, or abort allocating 96 GiB
+            &[
+                "simulate",
+                "--hosts",
+                "4294967296",
+                "--ranks-per-host",
+                "4294967296",
+                "--sizes",
+                "64M",
+            ][..],
+            "more than the 1048576 ranks it simulates",
+        ),
+    ] {
+        let (code, out, err) = hcomm(args, t);
+        assert_eq!(code, Some(2), "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // MPI's -np is -n for hcomm run (it used to become a program named --np).
+    let (code, out, err) = hcomm(&["run", "-np", "2", "--", "true"], t);
+    assert_eq!(code, Some(0), "{out}{err}");
+    // A timeout past what the clock can count is a configuration error, not a panic.
+    let (code, out, err) = hcomm_env(
+        &[
+            "bench", "barrier", "--np", "1", "-b", "8", "-e", "8", "-n", "2", "-w", "0",
+        ],
+        &[("HCOMM_TIMEOUT", "18446744073709551615".to_string())],
+        t,
+    );
+    assert_ne!(code, Some(0), "{out}{err}");
+    assert!(
+        err.contains("too large") && !err.contains("panicked"),
+        "{err}"
+    );
+    // HCOMM_DEBUG: empty is unset; a value that is no level is said, not taken for `info`.
+    let bench = [
+        "bench",
+        "allreduce",
+        "--np",
+        "1",
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "-n",
+        "2",
+        "-w",
+        "0",
+    ];
+    for (value, said) in [("", false), ("loud", true)] {
+        let (code, out, err) = hcomm_env(&bench, &[("HCOMM_DEBUG", value.to_string())], t);
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(!err.contains("INFO"), "HCOMM_DEBUG={value:?}: {err}");
+        assert_eq!(
+            err.contains("is not a log level"),
+            said,
+            "HCOMM_DEBUG={value:?}: {err}"
+        );
+    }
+}

@@ -227,6 +227,12 @@ impl PyComm {
                 "timeout must be a positive number of seconds, got {seconds}"
             )));
         }
+        let max = hcomm::config::BootstrapConfig::MAX_TIMEOUT.as_secs_f64();
+        if seconds > max {
+            return Err(invalid_argument(format!(
+                "timeout {seconds} s is too large: the longest timeout is 100 years ({max} s)"
+            )));
+        }
         self.comm.set_timeout(Duration::from_secs_f64(seconds));
         Ok(())
     }

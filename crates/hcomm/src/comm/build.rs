@@ -50,6 +50,10 @@ impl Communicator {
     /// Join a job: rank 0 hosts the rendezvous store on the master address, every rank
     /// publishes its listening address, and the world communicator is built.
     pub fn from_config(cfg: &BootstrapConfig) -> Result<Communicator> {
+        let cfg = &BootstrapConfig {
+            timeout: cfg.timeout.min(BootstrapConfig::MAX_TIMEOUT),
+            ..cfg.clone()
+        };
         let tuning = Tuning::from_env()?;
         let start = Instant::now();
         let token = cfg.token()?;

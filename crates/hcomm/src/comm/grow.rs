@@ -133,7 +133,7 @@ impl Communicator {
     pub fn join_grown(cfg: &BootstrapConfig) -> Result<Communicator> {
         let tuning = Tuning::from_env()?;
         let token = cfg.token()?;
-        let timeout = cfg.timeout;
+        let timeout = cfg.timeout.min(BootstrapConfig::MAX_TIMEOUT);
         let store_addr = format!("{}:{}", cfg.master_addr, cfg.master_port);
         let mut store = StoreClient::connect(&store_addr, timeout, token.as_ref())
             .map_err(|e| store_connect_error("", e))?;

@@ -397,11 +397,14 @@ impl Communicator {
     }
 
     /// Change the deadline of every operation issued after this call (in issue order, like
-    /// [`set_algorithm`](Self::set_algorithm): queued asynchronous operations keep theirs).
+    /// [`set_algorithm`](Self::set_algorithm): queued asynchronous operations keep theirs). At
+    /// most [`BootstrapConfig::MAX_TIMEOUT`](crate::config::BootstrapConfig::MAX_TIMEOUT): a
+    /// longer one is held to it.
     pub fn set_timeout(&self, d: Duration) {
         let _turn = self.engine.turns.enter();
+        let d = d.min(crate::config::BootstrapConfig::MAX_TIMEOUT);
         self.timeout_ns
-            .store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+            .store(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// (host index, index within the host, ranks per host) of this rank when the ranks form at

@@ -470,6 +470,12 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
                 "'{v}': the timeout must be greater than zero"
             )));
         }
+        if d > BootstrapConfig::MAX_TIMEOUT {
+            return Err(invalid(format!(
+                "'{v}' is too large: the longest timeout is 100 years ({} s)",
+                BootstrapConfig::MAX_TIMEOUT.as_secs()
+            )));
+        }
         Ok(Some(d))
     }
 
@@ -536,6 +542,12 @@ impl BootstrapConfig {
     pub const DEFAULT_PORT: u16 = 29500;
     /// Bootstrap timeout used when none is configured.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+    /// The longest timeout hcomm takes: 100 years. Deadlines are instants, and an instant
+    /// further out than the clock can count panics (a timeout of 2^64 seconds did); the
+    /// environment and rank tables are refused above it, a configuration built in code is
+    /// held to it.
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(100 * 365 * 86_400);
     /// Most data sockets per pair of ranks (`HCOMM_NSOCKS`).
     pub const MAX_NSOCKS: usize = 16;
 
@@ -797,6 +809,24 @@ impl BootstrapConfig {
         let table = RankTable::load(path)?;
         let mut cfg = table.bootstrap_for(rank).map_err(|e| e.with_path(path))?;
         let vars = Vars(get);
+        // The launcher that gave the rank may say how many ranks it started: a table that
+        // describes another number would leave the ranks waiting for each other until the
+        // timeout.
+        if let Some(l) = LAUNCHERS.iter().find(|l| vars.get(l.rank).is_some()) {
+            if let Some(v) = vars.get(l.size) {
+                let n = parse_uint(l.size, &v)?;
+                if n != cfg.world_size {
+                    return Err(ConfigError::InvalidValue {
+                        var: l.size.into(),
+                        reason: format!(
+                            "{n} ranks, but the rank table {} describes {}",
+                            path.display(),
+                            cfg.world_size
+                        ),
+                    });
+                }
+            }
+        }
         if table.timeout_s.is_none() {
             if let Some(t) = vars.timeout()? {
                 cfg.timeout = t;
@@ -1059,6 +1089,12 @@ impl RankTable {
             if t <= 0.0 || Duration::try_from_secs_f64(t).is_err() {
                 return Err(table_err(format!(
                     "timeout_s: {t} is not a positive number of seconds"
+                )));
+            }
+            if t > BootstrapConfig::MAX_TIMEOUT.as_secs_f64() {
+                return Err(table_err(format!(
+                    "timeout_s: {t} is too large: the longest timeout is 100 years ({} s)",
+                    BootstrapConfig::MAX_TIMEOUT.as_secs()
                 )));
             }
         }

@@ -523,6 +523,15 @@ fn timeout_and_transport_vars() {
     assert_contains(&e, &["HCOMM_TIMEOUT", "'soon'"]);
     let e = with("HCOMM_TIMEOUT", "0").unwrap_err().to_string();
     assert_contains(&e, &["HCOMM_TIMEOUT", "greater than zero"]);
+    // Beyond 100 years a deadline could pass the clock's end (2^64 s panicked): refused.
+    for v in ["18446744073709551615", "5124095576030431h", "3153600001"] {
+        let e = with("HCOMM_TIMEOUT", v).unwrap_err().to_string();
+        assert_contains(&e, &["HCOMM_TIMEOUT", v, "too large", "100 years"]);
+    }
+    assert_eq!(
+        with("HCOMM_TIMEOUT", "3153600000").unwrap().timeout,
+        BootstrapConfig::MAX_TIMEOUT
+    );
     let e = with("HCOMM_TRANSPORT", "rdma").unwrap_err().to_string();
     assert_contains(&e, &["HCOMM_TRANSPORT", "'rdma'", "auto, tcp or shm"]);
 }
@@ -813,6 +822,8 @@ fn rank_table_bad_port_and_timeout() {
         let e = table_err_text(&edit("\"timeout_s\": 120", &format!("\"timeout_s\": {t}")));
         assert_contains(&e, &["timeout_s", "not a positive number of seconds"]);
     }
+    let e = table_err_text(&edit("\"timeout_s\": 120", "\"timeout_s\": 1e19"));
+    assert_contains(&e, &["timeout_s", "too large", "100 years"]);
 }
 
 #[test]
@@ -1003,6 +1014,24 @@ fn from_rank_table_env_fills_only_gaps() {
     })
     .unwrap_err();
     assert_contains(&e.to_string(), &["HCOMM_TIMEOUT", "'-3'"]);
+
+    // A launcher that says it started another number of ranks than the table describes is
+    // an error naming both (the ranks would wait for each other until the timeout).
+    for (rank_var, size_var) in [("HCOMM_RANK", "HCOMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE")] {
+        let e = BootstrapConfig::from_rank_table_with(&path, 0, |k: &str| {
+            (k == rank_var)
+                .then(|| "0".to_string())
+                .or_else(|| (k == size_var).then(|| "1".to_string()))
+        })
+        .unwrap_err();
+        assert_contains(&e.to_string(), &[size_var, "1 ranks", "describes 4"]);
+    }
+    let agreeing = |k: &str| match k {
+        "HCOMM_RANK" => Some("1".to_string()),
+        "HCOMM_WORLD_SIZE" => Some("4".to_string()),
+        _ => None,
+    };
+    assert!(BootstrapConfig::from_rank_table_with(&path, 1, agreeing).is_ok());
 
     // The requested rank must exist; the error names the file.
     let e = BootstrapConfig::from_rank_table(&path, 9)
