@@ -176,7 +176,9 @@ struct RunArgs {
     /// This node's index.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Rendezvous address HOST:PORT (default 127.0.0.1 and a free port outside the system's ephemeral range).
+    /// Rendezvous address HOST:PORT (default 127.0.0.1 and a free port outside the system's
+    /// ephemeral range). The ranks get it as HCOMM_MASTER_ADDR/PORT and MASTER_ADDR/PORT,
+    /// replacing any in the environment.
     #[arg(long)]
     master: Option<String>,
     /// Do not prefix output lines with the rank.
@@ -322,7 +324,7 @@ struct BenchArgs {
     #[arg(short = 'n', long = "iters", default_value_t = 20)]
     iters: usize,
     /// Check results (1) or not (0).
-    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     check: u8,
     /// Element type.
     #[arg(short = 'd', long = "datatype", default_value = "float")]
@@ -524,6 +526,7 @@ fn cmd_run(a: RunArgs) -> ExitCode {
     spec.keep_going = a.keep_going;
     spec.master_port = a.port;
     spec.bind = a.bind;
+    let rendezvous_given = a.master.is_some() || a.port.is_some();
     if let Some(m) = a.master {
         match m
             .rsplit_once(':')
@@ -546,6 +549,30 @@ fn cmd_run(a: RunArgs) -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
+        }
+    }
+    // The launcher gives its ranks its own rendezvous: say so when the environment named
+    // another, which a user may have meant the job to use.
+    if !rendezvous_given {
+        let named: Vec<String> = [
+            "HCOMM_MASTER_ADDR",
+            "HCOMM_MASTER_PORT",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ]
+        .iter()
+        .filter_map(|k| {
+            let v = std::env::var(k).ok()?;
+            (!v.is_empty()).then(|| format!("{k}={v}"))
+        })
+        .collect();
+        if !named.is_empty() {
+            hcomm_cli::say!(
+                "hcomm run: {} in the environment is not used: the ranks meet at {} on a free port \
+                 (give --master HOST:PORT or --port to choose)",
+                named.join(", "),
+                spec.master_addr
+            );
         }
     }
     match launch(&spec) {

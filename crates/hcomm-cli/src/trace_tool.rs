@@ -60,19 +60,68 @@ pub fn read_events(path: &Path) -> Result<Vec<Value>, String> {
             .as_array()
             .cloned()
     };
-    if let Some(events) = parse(&text) {
-        return Ok(events);
-    }
     // A cut-short last line: drop it.
-    if let Some(cut) = text.trim_end().rfind('\n') {
-        if let Some(events) = parse(&text[..cut]) {
-            return Ok(events);
+    let events = parse(&text).or_else(|| {
+        let cut = text.trim_end().rfind('\n')?;
+        parse(&text[..cut])
+    });
+    let Some(events) = events else {
+        return Err(format!(
+            "{} is not a Chrome trace written by hcomm (expected a JSON array of events)",
+            path.display()
+        ));
+    };
+    for (i, e) in events.iter().enumerate() {
+        check_event(e).map_err(|why| {
+            format!(
+                "{}: event {i} ({}) is not an hcomm trace event: {why}",
+                path.display(),
+                short(e)
+            )
+        })?;
+    }
+    Ok(events)
+}
+
+/// What is wrong with `e` as an event hcomm writes: an object with a `ph` phase, and for an
+/// operation (`"ph":"X"`) a name, a rank (`pid`), a track (`tid`), a start and a duration that
+/// is a number of µs, not negative.
+fn check_event(e: &Value) -> Result<(), String> {
+    if !e.is_object() {
+        return Err("not a JSON object".into());
+    }
+    let Some(phase) = e["ph"].as_str() else {
+        return Err("no \"ph\" (phase)".into());
+    };
+    if phase != "X" {
+        return Ok(());
+    }
+    if e["name"].as_str().is_none() {
+        return Err("an operation (\"ph\":\"X\") without a \"name\"".into());
+    }
+    for key in ["pid", "tid"] {
+        if e[key].as_u64().is_none() {
+            return Err(format!("\"{key}\" is not a whole number"));
         }
     }
-    Err(format!(
-        "{} is not a Chrome trace written by hcomm (expected a JSON array of events)",
-        path.display()
-    ))
+    match e["ts"].as_f64() {
+        Some(ts) if ts.is_finite() => {}
+        _ => return Err("\"ts\" (start, µs) is not a number".into()),
+    }
+    match e["dur"].as_f64() {
+        Some(d) if d.is_finite() && d >= 0.0 => Ok(()),
+        Some(d) => Err(format!("\"dur\" is {d} µs: a duration cannot be negative")),
+        None => Err("\"dur\" (duration, µs) is not a number".into()),
+    }
+}
+
+/// `e` as JSON, cut to 80 characters for an error message.
+fn short(e: &Value) -> String {
+    let text = e.to_string();
+    match text.char_indices().nth(80) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
+    }
 }
 
 /// Every event of `files`, in one array (each rank is its own process in the viewer).
@@ -402,6 +451,33 @@ mod tests {
         assert!(timeline_svg(&[], None).is_err());
         let bad = read_events(&dir.join("other.json")).unwrap_err();
         assert!(bad.contains("not a Chrome trace"), "{bad}");
+        // JSON that is no trace, and an operation with a negative or missing duration, are
+        // refused by name (they used to give an empty table, or a negative time in it).
+        for (text, want) in [
+            (
+                "[1, 2, 3]",
+                "event 0 (1) is not an hcomm trace event: not a JSON object",
+            ),
+            ("[{\"a\": 1}]", "no \"ph\""),
+            (
+                &format!("[{meta},\n{}]", x(-5.0, 0.0)),
+                "event 1 ({\"args\"",
+            ),
+            (&format!("[{}]", x(-5.0, 0.0)), "\"dur\" is -5 µs"),
+            (
+                &format!("[{}]", x(1.0, 0.0).replace("\"dur\":1", "\"dur\":\"1\"")),
+                "\"dur\" (duration, µs) is not a number",
+            ),
+            (
+                &format!("[{}]", x(1.0, 0.0).replace("\"pid\":1", "\"pid\":-1")),
+                "\"pid\" is not a whole number",
+            ),
+        ] {
+            let p = write(&dir, "garbage.json", text);
+            let err = read_events(&p).unwrap_err();
+            assert!(err.contains(want), "{text}: {err}");
+            assert!(err.contains("garbage.json"), "{err}");
+        }
         let empty = std::env::temp_dir().join(format!("hcomm-trace-empty-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
         assert!(trace_files(std::slice::from_ref(&empty))

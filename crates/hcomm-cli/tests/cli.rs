@@ -28,6 +28,8 @@ fn hcomm_env(
         "WORLD_SIZE",
         "HCOMM_MASTER_PORT",
         "MASTER_PORT",
+        "HCOMM_MASTER_ADDR",
+        "MASTER_ADDR",
     ] {
         cmd.env_remove(v);
     }
@@ -1094,6 +1096,11 @@ fn launcher_and_tool_mistakes_are_refused_by_name() {
             ][..],
             "more than the 1048576 ranks it simulates",
         ),
+        // nccl-tests' -c is 0 or 1; 2 used to be taken as "check"
+        (
+            &["bench", "allreduce", "-c", "2"][..],
+            "invalid value '2' for '--check <CHECK>'",
+        ),
     ] {
         let (code, out, err) = hcomm(args, t);
         assert_eq!(code, Some(2), "{args:?}: {out}{err}");
@@ -1103,6 +1110,17 @@ fn launcher_and_tool_mistakes_are_refused_by_name() {
     // MPI's -np is -n for hcomm run (it used to become a program named --np).
     let (code, out, err) = hcomm(&["run", "-np", "2", "--", "true"], t);
     assert_eq!(code, Some(0), "{out}{err}");
+    // A rendezvous named in the environment is replaced by the launcher's own, and it says so.
+    let (code, out, err) = hcomm_env(
+        &["run", "-n", "1", "--", "true"],
+        &[("HCOMM_MASTER_PORT", "29999".to_string())],
+        t,
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        err.contains("HCOMM_MASTER_PORT=29999 in the environment is not used"),
+        "{err}"
+    );
     // A timeout past what the clock can count is a configuration error, not a panic.
     let (code, out, err) = hcomm_env(
         &[

@@ -1,6 +1,7 @@
 //! Joining a job: the rendezvous store, address selection, host identity, and the exchange of
 //! listening addresses that turns N processes into a communicator.
 
+pub mod claim;
 pub mod port;
 pub mod store;
 

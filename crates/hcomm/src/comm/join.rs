@@ -13,8 +13,14 @@
 use crate::auth::JobToken;
 use crate::base::error::{Error, OpContext, Result};
 use crate::bootstrap;
+use crate::bootstrap::claim::{self, ProcessIdentity};
 use crate::bootstrap::store::{StoreClient, StoreError};
 use std::time::{Duration, Instant};
+
+/// How long a formed world's record of this rank may name another live process of this
+/// machine before [`join_store`] gives up on it: long enough for a process of an earlier job on
+/// the same port to finish exiting, short next to any timeout.
+const HELD_RANK_GRACE: Duration = Duration::from_secs(3);
 
 /// Connect to the store at `addr` as world rank `rank`, skipping a store whose world has
 /// already formed: a communicator that was dropped and is being created again on the same
@@ -24,6 +30,10 @@ use std::time::{Duration, Instant};
 /// That store goes away when rank 0 drops its communicator and rank 0's new one takes the
 /// port, so this rank keeps trying until `timeout`. A store whose list is rank 0's refusal
 /// (the ranks disagree) fails this rank with that reason.
+///
+/// This process records itself as the holder of `rank` ([`claim`]): a second process started
+/// with the same rank while the first runs on this machine fails at once (or, when the world
+/// has formed, after [`HELD_RANK_GRACE`]), naming the first.
 pub(super) fn join_store(
     addr: &str,
     rank: usize,
@@ -34,6 +44,10 @@ pub(super) fn join_store(
     let mut pause = Duration::from_millis(10);
     let list_key = bootstrap::peer_list_key("world");
     let store_error = |e| Error::Config(format!("rank {rank}: rendezvous store at {addr}: {e}"));
+    let me = ProcessIdentity::current();
+    // Since when a formed world's record of this rank has named another live process of this
+    // machine (a process of an earlier job that is still exiting gets a moment).
+    let mut held_since: Option<Instant> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let mut store = StoreClient::connect(addr, left.max(Duration::from_millis(10)), token)
@@ -48,7 +62,10 @@ pub(super) fn join_store(
             })
             .map_err(|e| store_connect_error(&format!("rank {rank}: "), e))?;
         if !store.check(&list_key).map_err(store_error)? {
-            return Ok(store);
+            return match claim::claim(&mut store, rank, &me, addr).map_err(store_error)? {
+                Ok(()) => Ok(store),
+                Err(why) => Err(Error::Config(why)),
+            };
         }
         let list = store
             .get(&list_key, Duration::from_millis(100))
@@ -56,12 +73,33 @@ pub(super) fn join_store(
         if let Some(why) = bootstrap::refusal(&list) {
             return Err(Error::Config(why));
         }
+        // Who the formed world's record of this rank names.
+        let holder = claim::claimant(&mut store, rank).map_err(store_error)?;
+        let held = holder
+            .as_ref()
+            .and_then(|h| claim::held_by_another(h, &me, rank, addr));
+        match (held, held_since) {
+            (Some(why), Some(since)) if since.elapsed() >= HELD_RANK_GRACE => {
+                return Err(Error::Config(why));
+            }
+            (Some(_), None) => held_since = Some(Instant::now()),
+            (Some(_), Some(_)) => {}
+            (None, _) => held_since = None,
+        }
         drop(store);
         if Instant::now() + pause >= deadline {
             return Err(Error::Config(format!(
                 "rank {rank}: the rendezvous store at {addr} still served a communicator formed \
                  without this rank after {timeout:?}: rank 0 has not dropped its earlier \
-                 communicator on this port (drop it first), or another job uses the port"
+                 communicator on this port (drop it first), or another job uses the port{}",
+                match &holder {
+                    Some(h) if *h != me => format!(
+                        " (its rank {rank} is {}, not this process: two processes started \
+                         with the same rank?)",
+                        h.describe()
+                    ),
+                    _ => String::new(),
+                }
             )));
         }
         std::thread::sleep(pause);
@@ -288,6 +326,60 @@ mod tests {
         assert!(
             e.contains("rank 3: the rendezvous store at")
                 && e.contains("still served a communicator formed without this rank"),
+            "{e}"
+        );
+    }
+
+    /// A live process of this machine other than this one: the test's parent.
+    fn another_live_process() -> ProcessIdentity {
+        let parent = std::os::unix::process::parent_id();
+        let other = ProcessIdentity {
+            pid: parent,
+            start: claim::start_time(parent).expect("the parent's start time"),
+            ..ProcessIdentity::current()
+        };
+        assert!(other.is_alive_here());
+        other
+    }
+
+    #[test]
+    fn a_second_process_with_the_same_rank_is_refused_naming_the_first() {
+        // Before the world forms: at once.
+        let (_server, addr) = store();
+        let mut c = StoreClient::connect(&addr, SECS5, None).unwrap();
+        let other = another_live_process();
+        assert_eq!(claim::claim(&mut c, 1, &other, &addr).unwrap(), Ok(()));
+        let started = Instant::now();
+        let e = join_store(&addr, 1, Duration::from_secs(30), None)
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(started.elapsed() < Duration::from_secs(10), "{e}");
+        assert!(
+            e.contains(&format!("rank 1 of the job whose rendezvous store is at {addr} is already held by process {}", other.pid))
+                && e.contains("two processes were started with the same rank"),
+            "{e}"
+        );
+        // Rank 2 is free.
+        join_store(&addr, 2, SECS5, None).unwrap();
+        // After the world formed: once the first has held the rank for the grace period.
+        c.set(&bootstrap::peer_list_key("world"), b"[]").unwrap();
+        let started = Instant::now();
+        let e = join_store(&addr, 1, Duration::from_secs(30), None)
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(started.elapsed() >= HELD_RANK_GRACE, "{e}");
+        assert!(started.elapsed() < Duration::from_secs(15), "{e}");
+        assert!(e.contains("is already held by process"), "{e}");
+        // This same process joining again (InitHcom after DestroyHcom) still waits for the
+        // store to go away.
+        let e = join_store(&addr, 2, Duration::from_millis(300), None)
+            .err()
+            .expect("an error")
+            .to_string();
+        assert!(
+            e.contains("still served a communicator formed without this rank"),
             "{e}"
         );
     }

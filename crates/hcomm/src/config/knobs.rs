@@ -541,7 +541,12 @@ pub fn parse_algo_overrides(spec: &str) -> Result<HashMap<Collective, Algo>, Str
                     .join(", ")
             ));
         }
-        map.insert(coll, algo);
+        if let Some(earlier) = map.insert(coll, algo) {
+            return Err(format!(
+                "HCOMM_ALGO: {} is named twice ('{earlier}' and '{algo}'): give each collective once",
+                coll.name()
+            ));
+        }
     }
     Ok(map)
 }
@@ -630,6 +635,11 @@ mod tests {
                 "HCOMM_ALGO",
                 "nosuch=ring",
                 "HCOMM_ALGO: unknown collective 'nosuch'",
+            ),
+            (
+                "HCOMM_ALGO",
+                "allreduce=ring,allreduce=rd",
+                "HCOMM_ALGO: all_reduce is named twice ('ring' and 'rd')",
             ),
             (
                 "HCOMM_ACCUMULATE",
