@@ -1270,3 +1270,47 @@ fn a_compressed_all_reduce_keeps_non_finite_elements_visible() {
         }
     }
 }
+
+/// Random-k sends only its sample: a NaN or infinity outside it must still show in its
+/// step's result (any non-finite element: a gradient scaler skips the step), and must not be
+/// kept in the residual to come out at whichever later step samples it (it did, 2026-12-07).
+/// With and without error feedback, 2 and 3 ranks, both transports.
+#[test]
+fn random_k_shows_a_non_finite_element_in_its_own_step_only() {
+    let n = 256;
+    for world in [2usize, 3] {
+        for transport in [TransportKind::Tcp, TransportKind::Auto] {
+            for error_feedback in [true, false] {
+                let out = ranks(world, transport, |c| {
+                    let mut state = CompressionState::new(Compressor::RandomK {
+                        density: Density::Count(8),
+                        seed: 7,
+                    })?
+                    .with_error_feedback(error_feedback);
+                    let mut steps = Vec::new();
+                    for step in 0..14 {
+                        let mut g = vec![1.0f32; n];
+                        if step < 10 && c.rank() == 1 {
+                            // one NaN or infinity a step, which the sample of 8 mostly misses
+                            g[(37 * step + 5) % n] = if step % 2 == 0 {
+                                f32::NAN
+                            } else {
+                                f32::INFINITY
+                            };
+                        }
+                        c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut state)?;
+                        steps.push(g.iter().filter(|v| !v.is_finite()).count());
+                    }
+                    Ok(steps)
+                });
+                for (rank, steps) in out.iter().enumerate() {
+                    let what = format!(
+                        "{world} ranks, {transport:?}, error feedback {error_feedback}, rank {rank}: non-finite elements per step {steps:?}"
+                    );
+                    assert!(steps[..10].iter().all(|&k| k > 0), "{what}");
+                    assert!(steps[10..].iter().all(|&k| k == 0), "{what}");
+                }
+            }
+        }
+    }
+}

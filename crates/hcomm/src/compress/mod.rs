@@ -712,11 +712,21 @@ impl Communicator {
         // Error feedback: random-k adds the residual and keeps the sum as the next residual
         // (minus what it sends, below) in one pass; the other compressors add it in their
         // own pass, with the selection or the encoding.
-        if ef && matches!(state.compressor, Compressor::RandomK { .. }) {
-            buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
-                *x += *r;
-                *r = *x;
-            });
+        // Random-k sends only its sample, so it notes whether any element is NaN or infinite
+        // (in the same pass) to make that visible in this step's result, and never keeps a
+        // non-finite residual (a NaN kept would come out at whichever later step samples it).
+        let mut non_finite = false;
+        if matches!(state.compressor, Compressor::RandomK { .. }) {
+            if ef {
+                buf.iter_mut().zip(&mut state.residual).for_each(|(x, r)| {
+                    *x += *r;
+                    let finite = x.is_finite();
+                    non_finite |= !finite;
+                    *r = if finite { *x } else { 0.0 };
+                });
+            } else {
+                non_finite = buf.iter().fold(false, |any, x| any | !x.is_finite());
+            }
         }
         match state.compressor {
             Compressor::None => return self.all_reduce_in_place(buf, op),
@@ -789,6 +799,17 @@ impl Communicator {
                     for &i in codec.indices() {
                         state.residual[i as usize] = 0.0;
                     }
+                }
+                // A NaN or infinity outside the sample makes the first sampled value NaN, so
+                // that the step's result shows it (a gradient scaler skips the step).
+                let sampled_non_finite = || {
+                    codec
+                        .indices()
+                        .iter()
+                        .any(|&i| !buf[i as usize].is_finite())
+                };
+                if non_finite && enc.len() >= 4 && !sampled_non_finite() {
+                    enc[..4].copy_from_slice(&f32::NAN.to_ne_bytes());
                 }
                 self.all_reduce_bytes(None, &mut enc, DType::F32, ReduceOp::Sum)?;
                 codec.decode(&enc, buf)?;
