@@ -100,6 +100,65 @@ where
     })
 }
 
+/// A barrier for the threads of a test that gives up: [`wait`](Self::wait) panics when the
+/// others have not all arrived within its bound. With `std::sync::Barrier`, one rank thread
+/// that failed an assertion left the others waiting for ever, and the test run hung instead
+/// of failing (2026-12-07).
+pub struct TestBarrier {
+    parties: usize,
+    bound: Duration,
+    /// (threads arrived in this round, rounds completed)
+    state: std::sync::Mutex<(usize, u64)>,
+    all_in: std::sync::Condvar,
+}
+
+impl TestBarrier {
+    /// A barrier for `parties` threads that waits at most 60 s.
+    pub fn new(parties: usize) -> TestBarrier {
+        TestBarrier::with_bound(parties, Duration::from_secs(60))
+    }
+
+    /// A barrier for `parties` threads that waits at most `bound`.
+    pub fn with_bound(parties: usize, bound: Duration) -> TestBarrier {
+        TestBarrier {
+            parties,
+            bound,
+            state: std::sync::Mutex::new((0, 0)),
+            all_in: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Wait until all the parties have called `wait` in this round. Panics, naming how many
+    /// arrived, when they have not within the bound (a thread that failed never comes).
+    pub fn wait(&self) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let round = st.1;
+        st.0 += 1;
+        if st.0 == self.parties {
+            *st = (0, round + 1);
+            self.all_in.notify_all();
+            return;
+        }
+        let deadline = std::time::Instant::now() + self.bound;
+        while st.1 == round {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                let arrived = st.0;
+                drop(st);
+                panic!(
+                    "test barrier: {arrived} of {} threads arrived within {:?} (another thread failed?)",
+                    self.parties, self.bound
+                );
+            }
+            st = self
+                .all_in
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 /// Every rank's value, panicking with the rank and its error if one failed (for tests).
 pub fn expect_all<R>(results: Vec<Result<R>>) -> Vec<R> {
     results
@@ -639,5 +698,24 @@ pub fn names_rank(e: &crate::Error, r: usize) -> bool {
         Error::Timeout { peers, .. } => peers.contains(&r),
         Error::Remote { culprit, .. } => *culprit == Some(r),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TestBarrier;
+    use std::time::Duration;
+
+    #[test]
+    fn a_test_barrier_lets_rounds_through_and_gives_up_on_a_missing_thread() {
+        let b = TestBarrier::with_bound(2, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            s.spawn(|| (0..3).for_each(|_| b.wait()));
+            (0..3).for_each(|_| b.wait());
+        });
+        let alone = TestBarrier::with_bound(2, Duration::from_millis(50));
+        let why = std::panic::catch_unwind(|| alone.wait()).expect_err("nobody else comes");
+        let why = why.downcast_ref::<String>().expect("a message");
+        assert!(why.contains("1 of 2 threads arrived within 50ms"), "{why}");
     }
 }

@@ -229,7 +229,7 @@ fn errors_come_back_through_work() {
 
 #[test]
 fn a_missing_peer_times_out_through_work_and_poisons_later_calls() {
-    let done = std::sync::Barrier::new(2);
+    let done = hcomm::testing::TestBarrier::new(2);
     ranks(2, TransportKind::Auto, Duration::from_millis(400), |c| {
         if c.rank() == 0 {
             let start = Instant::now();
@@ -247,7 +247,7 @@ fn a_missing_peer_times_out_through_work_and_poisons_later_calls() {
 
 #[test]
 fn wait_timeout_leaves_the_operation_in_flight() {
-    let go = std::sync::Barrier::new(2);
+    let go = hcomm::testing::TestBarrier::new(2);
     ranks(2, TransportKind::Auto, T, |c| {
         if c.rank() == 0 {
             let mut w = c.recv_async(1, 4, vec![0u64; 16]);
@@ -292,7 +292,7 @@ fn the_communicator_may_be_dropped_while_work_is_in_flight() {
 
 #[test]
 fn abort_fails_work_in_flight() {
-    let done = std::sync::Barrier::new(2);
+    let done = hcomm::testing::TestBarrier::new(2);
     ranks(2, TransportKind::Auto, T, |c| {
         if c.rank() == 0 {
             let w = c.recv_async(1, 8, vec![0u8; 4]);
@@ -334,7 +334,7 @@ fn many_operations_in_flight_on_several_communicators() {
 fn set_algorithm_takes_effect_in_issue_order() {
     // Found by `hcomm check --soak`: a setting changed by the caller must not apply to an
     // asynchronous operation issued before it (the ranks would run different algorithms).
-    let go = std::sync::Barrier::new(2);
+    let go = hcomm::testing::TestBarrier::new(2);
     ranks(2, TransportKind::Tcp, T, |c| {
         use hcomm::{Algo, Collective};
         if c.rank() == 0 {

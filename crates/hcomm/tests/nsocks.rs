@@ -221,7 +221,7 @@ fn a_closed_peer_is_reported_by_name_on_striped_links() {
 
 #[test]
 fn an_abort_reaches_a_peer_waiting_on_striped_data() {
-    let done = std::sync::Barrier::new(2);
+    let done = hcomm::testing::TestBarrier::new(2);
     let res = run(
         2,
         |_| 4,
@@ -297,7 +297,7 @@ fn an_authenticated_connection_naming_a_wrong_socket_is_dropped() {
     use std::time::Instant;
     const TOKEN: &str = "nsocks-test-token-0123456789";
     let token = JobToken::new(TOKEN.as_bytes()).unwrap();
-    let stats = std::sync::Barrier::new(2);
+    let stats = hcomm::testing::TestBarrier::new(2);
     let res = run_threads_configured(
         2,
         T,

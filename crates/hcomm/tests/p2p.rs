@@ -488,7 +488,7 @@ fn a_closed_peer_is_reported_by_name() {
         // The survivors keep their communicators until both have failed: a survivor that
         // left at once could not tell the other one why (the other would rightly report the
         // survivor gone; this test looks at the blame for rank 2).
-        let survivors = std::sync::Barrier::new(2);
+        let survivors = hcomm::testing::TestBarrier::new(2);
         let res = run_threads(3, T, |c| {
             c.set_timeout(Duration::from_secs(5));
             if c.rank() == 2 {
@@ -538,7 +538,7 @@ fn an_abort_between_calls_is_told_to_the_peers() {
         // on this rank (over TCP, and over shared memory) fail at once naming the cause, as they
         // do when the abort hits a call in flight, instead of waiting for their deadline.
         for shm in [false, true] {
-            let done = std::sync::Barrier::new(2);
+            let done = hcomm::testing::TestBarrier::new(2);
             let res = run_threads(2, T, |c| {
                 // Linked over TCP (and the shared segment) before the abort.
                 let peer = 1 - c.rank();

@@ -249,7 +249,7 @@ fn posted_messages_report_completion_and_size_mismatches() {
 
 #[test]
 fn a_posted_receive_from_a_silent_peer_times_out_naming_it() {
-    let done = std::sync::Barrier::new(2);
+    let done = hcomm::testing::TestBarrier::new(2);
     expect_all(run_threads_with(
         2,
         TransportKind::Tcp,

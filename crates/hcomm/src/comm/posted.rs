@@ -682,7 +682,20 @@ impl Communicator {
         while let Some(new) = self.posted.take(flight.idle()) {
             for m in new {
                 if let Some(e) = &failed {
-                    (m.finish)(Err(e.clone()));
+                    // Posted after the loop failed (and had failed the messages it carried):
+                    // refused as any later operation is, not given the failure of messages it
+                    // was never part of.
+                    let refused = match &inner.poisoned {
+                        Some(first) => Error::Poisoned {
+                            ctx: OpContext {
+                                op: m.op,
+                                seq: inner.seq,
+                            },
+                            first: first.clone(),
+                        },
+                        None => e.clone(),
+                    };
+                    (m.finish)(Err(refused));
                     continue;
                 }
                 let state: &mut Inner = &mut inner;
