@@ -129,7 +129,7 @@ pub const ALGO: Knob = Knob {
     accepts: Accepts::Text,
     default: KnobDefault::Described("chosen by size and topology"),
     doc: "Force an algorithm: one for every collective (`ring`), or per collective \
-          (`allreduce=rd,broadcast=chain`)",
+          (`allreduce=rd,broadcast=chain`, each collective once)",
 };
 
 /// `HCOMM_FAULT_INJECT`.
