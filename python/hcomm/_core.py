@@ -1145,7 +1145,7 @@ class Communicator:
         row_len = 1
         for d in row_shape:
             row_len *= d
-        engine, holder = self._c.sparse_all_reduce(indices, values, row_len, op, a)
+        engine, holder = self._c.sparse_all_reduce(indices, values, row_len, op, a, dense_shape[0] if coo else None)
 
         def result() -> Any:
             ib, vb = holder.take()

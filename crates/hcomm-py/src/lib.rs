@@ -931,9 +931,11 @@ impl PyComm {
     /// Sparse all-reduce of a row-sparse tensor: `indices` (int64, one per row) and `values`
     /// (`len(indices) * row_len` elements, row after row); `op` is sum or mean. The inputs are
     /// copied at the call. Returns (Work or None, result holder): the holder's `take()` gives
-    /// the reduced rows once the operation has completed.
-    #[pyo3(signature = (indices, values, row_len, op = "sum", async_op = false))]
+    /// the reduced rows once the operation has completed. `table_rows`: the rows of the tensor
+    /// the rows belong to, when known (the ranks' must agree, every index be below it).
+    #[pyo3(signature = (indices, values, row_len, op = "sum", async_op = false, table_rows = None))]
     #[allow(unsafe_code)] // Views of the Python buffers it was given: see `buffer::Buf`.
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each.
     fn sparse_all_reduce(
         &self,
         py: Python<'_>,
@@ -942,6 +944,7 @@ impl PyComm {
         row_len: usize,
         op: &str,
         async_op: bool,
+        table_rows: Option<usize>,
     ) -> PyResult<(Option<PyWork>, PySparseResult)> {
         const OP: &str = "sparse_all_reduce";
         let op = parse_op(op)?;
@@ -967,7 +970,8 @@ impl PyComm {
         let slot = Arc::new(Mutex::new(None));
         let out = slot.clone();
         let work = self.dispatch(py, OP, async_op, Vec::new(), move |c| {
-            let rows = c.sparse_all_reduce_bytes(&idx, &vals, row_len, dtype, op)?;
+            let rows =
+                c.sparse_all_reduce_table_bytes(&idx, &vals, row_len, table_rows, dtype, op)?;
             *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(rows);
             Ok(())
         })?;

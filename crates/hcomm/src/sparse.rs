@@ -32,6 +32,13 @@ use std::sync::Arc;
 
 const OP: &str = "sparse_all_reduce";
 
+/// Entries of each rank's header in [`Communicator::sparse_all_reduce_table_bytes`]: rows,
+/// row length, dtype, verdict, table rows ([`UNSAID`] when not given).
+const HEADER: usize = 5;
+
+/// A header's table rows when the rank did not give them.
+const UNSAID: u64 = u64::MAX;
+
 /// A row-sparse tensor: row `indices[i]` of the dense tensor holds
 /// `values[i * row_len .. (i + 1) * row_len]`; every other row is zero.
 #[derive(Clone, Debug, PartialEq)]
@@ -123,6 +130,23 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(Vec<i64>, Vec<u8>)> {
+        self.sparse_all_reduce_table_bytes(indices, values, row_len, None, dtype, op)
+    }
+
+    /// [`sparse_all_reduce_bytes`](Self::sparse_all_reduce_bytes) of rows of a tensor with
+    /// `table_rows` rows (a sparse torch tensor's first dimension), when known: every index
+    /// must be below it, and the ranks that give it must give the same (ranks whose tensors
+    /// differ in size used to end with results of different shapes, or only some of them
+    /// failing). Like every check here, a violation fails every rank, naming the rank.
+    pub fn sparse_all_reduce_table_bytes(
+        &self,
+        indices: &[i64],
+        values: &[u8],
+        row_len: usize,
+        table_rows: Option<usize>,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(Vec<i64>, Vec<u8>)> {
         let bad = |msg: String| Error::invalid(OP, 0, msg);
         let row_bytes = row_len.checked_mul(dtype.size());
         // Checked here, but reported only after every rank has said whether its arguments are
@@ -149,6 +173,14 @@ impl Communicator {
                     indices[i]
                 )));
             }
+            if let Some(rows) = table_rows {
+                if let Some(i) = indices.iter().position(|&i| i as u64 >= rows as u64) {
+                    return Err(bad(format!(
+                        "indices[{i}] is {}, beyond this rank's tensor of {rows} rows",
+                        indices[i]
+                    )));
+                }
+            }
             Ok(row_bytes)
         })();
 
@@ -161,11 +193,12 @@ impl Communicator {
             row_len as u64,
             dtype as u8 as u64,
             u64::from(local.is_ok()),
+            table_rows.map_or(UNSAID, |t| t as u64),
         ];
-        let mut headers = vec![0u64; 4 * n];
+        let mut headers = vec![0u64; HEADER * n];
         self.all_gather(&mine, &mut headers)?;
         let row_bytes = local?;
-        if let Some(r) = headers.chunks(4).position(|h| h[3] == 0) {
+        if let Some(r) = headers.chunks(HEADER).position(|h| h[3] == 0) {
             return Err(Error::Remote {
                 ctx: crate::base::error::OpContext { op: OP, seq: 0 },
                 peer: r,
@@ -175,7 +208,19 @@ impl Communicator {
                 ),
             });
         }
-        for (r, h) in headers.chunks(4).enumerate() {
+        for (r, h) in headers.chunks(HEADER).enumerate() {
+            if let (Some(rows), true) = (table_rows, h[4] != UNSAID) {
+                if h[4] != rows as u64 {
+                    return Err(disagreement(
+                        OP,
+                        r,
+                        format!(
+                            "this rank's tensor has {rows} rows, rank {r}'s {}: every rank must reduce a tensor of the same size",
+                            h[4]
+                        ),
+                    ));
+                }
+            }
             if h[1] != row_len as u64 || h[2] != dtype as u8 as u64 {
                 return Err(disagreement(
                     OP,
@@ -188,7 +233,7 @@ impl Communicator {
                 ));
             }
         }
-        let counts: Vec<usize> = headers.chunks(4).map(|h| h[0] as usize).collect();
+        let counts: Vec<usize> = headers.chunks(HEADER).map(|h| h[0] as usize).collect();
         let (all_indices, all_values) =
             self.gather_rows(indices, values, &counts, row_len, dtype)?;
         let (out_indices, mut out) =

@@ -256,6 +256,75 @@ fn bad_arguments_on_one_rank_fail_every_rank_at_once() {
     }
 }
 
+/// Ranks whose tensors have different numbers of rows (said with `table_rows`) all fail,
+/// naming the rank; so do all when one rank's index lies beyond its tensor. Before
+/// 2026-12-07 the first gave results of different shapes, the second failed one rank only.
+#[test]
+fn tensors_of_different_sizes_and_rows_beyond_the_tensor_fail_every_rank() {
+    for transport in [TransportKind::Tcp, TransportKind::Auto] {
+        let results = run_threads_with(3, transport, Duration::from_secs(30), |c| {
+            let table = if c.rank() == 2 { 5 } else { 4 };
+            c.sparse_all_reduce_table_bytes(
+                &[0, 2],
+                bytemuck::cast_slice(&[1.0f32, 2.0]),
+                1,
+                Some(table),
+                hcomm::DType::F32,
+                ReduceOp::Sum,
+            )
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let e = res.unwrap_err();
+            assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e}");
+            let want = if r == 2 {
+                "this rank's tensor has 5 rows, rank 0's 4"
+            } else {
+                "this rank's tensor has 4 rows, rank 2's 5"
+            };
+            assert!(e.to_string().contains(want), "rank {r}: {e}");
+        }
+        let results = run_threads_with(2, transport, Duration::from_secs(30), |c| {
+            let row = if c.rank() == 1 { 999_999 } else { 2 };
+            c.sparse_all_reduce_table_bytes(
+                &[0, row],
+                bytemuck::cast_slice(&[1.0f32, 2.0]),
+                1,
+                Some(4),
+                hcomm::DType::F32,
+                ReduceOp::Sum,
+            )
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let e = res.unwrap_err();
+            let s = e.to_string();
+            if r == 1 {
+                assert!(
+                    s.contains("indices[1] is 999999, beyond this rank's tensor of 4 rows"),
+                    "{s}"
+                );
+            } else {
+                assert!(matches!(e, Error::Remote { peer: 1, .. }), "rank {r}: {e}");
+            }
+        }
+        // The same size everywhere (and ranks that do not say it) is fine.
+        let out = ranks(2, transport, |c| {
+            let table = (c.rank() == 0).then_some(4);
+            c.sparse_all_reduce_table_bytes(
+                &[3],
+                bytemuck::cast_slice(&[1.0f32]),
+                1,
+                table,
+                hcomm::DType::F32,
+                ReduceOp::Sum,
+            )
+        });
+        for (idx, vals) in out {
+            assert_eq!(idx, vec![3]);
+            assert_eq!(vals, 2.0f32.to_ne_bytes().to_vec());
+        }
+    }
+}
+
 /// Rank `r`'s dense tensor of `len` elements for the zero-skipping all-reduce: zero except a
 /// few rank-dependent runs (an embedding gradient's rows), a `-0.0` on rank 1, and, with
 /// `dense`, non-zero everywhere. Integer-valued, so every summation order gives the same sum.

@@ -168,6 +168,23 @@ def _check_cpu(op: str, tensors: List[torch.Tensor]) -> None:
             raise InvalidArgumentError(f"hcomm backend: {op} got a tensor on {t.device}; hcomm communicates CPU tensors")
 
 
+def _check_list(op: str, what: str, tensors: List[torch.Tensor], n: int, like: torch.Tensor, own: Optional[int] = None) -> None:
+    """A list of one tensor per rank (``what``: its name in torch's API) against ``like`` (the
+    tensor this rank sends or receives): gloo's check. Every tensor must have ``like``'s dtype;
+    the shape is checked for every tensor, or (``own`` given: the others may come from ranks
+    whose tensors differ, as NCCL allows) for ``tensors[own]`` only. A tensor of another shape
+    with as many elements used to be filled silently in the wrong layout."""
+    if len(tensors) != n:
+        raise InvalidArgumentError(f"hcomm backend: {op}: {what} has {len(tensors)} tensors, expected one per rank ({n})")
+    for i, t in enumerate(tensors):
+        if t.dtype != like.dtype:
+            raise InvalidArgumentError(f"hcomm backend: {op}: {what}[{i}] has dtype {t.dtype}, expected {like.dtype}")
+        if (own is None or i == own) and t.shape != like.shape:
+            raise InvalidArgumentError(
+                f"hcomm backend: {op}: {what}[{i}] has shape {tuple(t.shape)}, expected {tuple(like.shape)}"
+            )
+
+
 # torch wraps the Work a Python backend returns (a PyWorkHolder) and forwards only wait() and
 # get_future() to it: is_completed(), is_success() and exception() of the handle the user gets
 # are the holder's own (never completed). `_install_work_queries` makes those three ask the
@@ -866,6 +883,7 @@ class HcommBackend(_C10dBackend):
         _check_cpu("allgather", inputs)
         for outs, inp in zip(output_lists, inputs):
             _check_cpu("allgather", outs)
+            _check_list("allgather", "tensor_list", outs, self.size(), inp, own=self.rank())
             counts = [_numel(o) for o in outs]
             flat = torch.empty(sum(counts), dtype=_wire_dtype(inp.dtype))
             self._c.all_gather(_flat(inp), flat, counts)
@@ -909,6 +927,11 @@ class HcommBackend(_C10dBackend):
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist._Work:
         _check_cpu("all_gather_into_tensor", [output, inp])
         c = self._c
+        if _numel(output) != self.size() * _numel(inp):
+            raise InvalidArgumentError(
+                f"hcomm backend: all_gather_into_tensor: the output has {_numel(output)} elements and the input "
+                f"{_numel(inp)}: the output must hold world_size ({self.size()}) times the input's elements"
+            )
         src = _flat(inp)
         if _is_own_block(src, _wire(output), self.rank()):  # in place (FSDP's usage)
             return self._run(opts, output, lambda w, a: c.all_gather(None, w, None, a))
@@ -941,6 +964,11 @@ class HcommBackend(_C10dBackend):
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> dist._Work:
         _check_cpu("reduce_scatter_tensor", [output, inp])
         c, n = self._c, self.size()
+        if _numel(inp) != n * _numel(output):
+            raise InvalidArgumentError(
+                f"hcomm backend: reduce_scatter_tensor: the output has {_numel(output)} elements and the input "
+                f"{_numel(inp)}: the input must hold world_size ({n}) times the output's elements"
+            )
         red = _reduction(opts, output.dtype, "reduce_scatter_tensor")
         if red.local is not None:  # bitwise: all-to-all the blocks, fold this rank's
             src = _flat(inp)
@@ -996,6 +1024,8 @@ class HcommBackend(_C10dBackend):
         for i, inp in enumerate(inputs):
             if self.rank() == root:
                 outs = output_lists[i]
+                _check_cpu("gather", outs)
+                _check_list("gather", "gather_list", outs, self.size(), inp, own=root)
                 counts = [_numel(o) for o in outs]
                 flat = torch.empty(sum(counts), dtype=_wire_dtype(inp.dtype))
                 self._c.gather(_flat(inp), flat, root, counts)
@@ -1012,6 +1042,8 @@ class HcommBackend(_C10dBackend):
         c, root = self._c, _root("scatter", opts.rootRank, self.size())
         for i, out in enumerate(outputs):
             if self.rank() == root:
+                _check_cpu("scatter", input_lists[i])
+                _check_list("scatter", "scatter_list", input_lists[i], self.size(), out)
                 flat = torch.cat([_flat(t) for t in input_lists[i]])
                 _in_place(out, lambda b: c.scatter(flat, b, root))
             else:

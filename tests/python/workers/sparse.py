@@ -7,7 +7,8 @@ reference built from every rank's deterministic rows:
   repeated indices, a rank with no rows; identical bits on every rank;
 * a torch sparse COO gradient from nn.Embedding(sparse=True) gives the dense all-reduce of
   the same gradients (and the async form the same as the blocking one);
-* a row shape that differs across ranks is a MismatchError on every rank.
+* a row shape, or a sparse tensor's number of rows, that differs across ranks is a
+  MismatchError on every rank.
 
 Prints "ok NAME" per check and "WORKER OK" at the end; any mismatch raises.
 """
@@ -97,14 +98,17 @@ else:
     raise AssertionError("a row shape that differs across ranks must fail")
 print("ok mismatch", flush=True)
 
-# tables of different sizes: the rank whose table is too small for the reduced rows says so
+# tables of different sizes: every rank fails, saying both sizes (before 2026-12-07 only the
+# rank whose table was too small for the reduced rows did, and with rows inside every table
+# the ranks ended with results of different shapes)
 rows = TABLE + 10 if R == 0 else TABLE
-t = torch.sparse_coo_tensor(torch.tensor([[rows - 1]]), torch.ones(1, 2), (rows, 2))
-try:
-    comm.sparse_all_reduce(t)
-except ValueError as e:
-    assert R != 0 and "differ in size" in str(e), e
-else:
-    assert R == 0, "a table smaller than the reduced rows must fail"
+for row in (rows - 1, 0):
+    t = torch.sparse_coo_tensor(torch.tensor([[row]]), torch.ones(1, 2), (rows, 2))
+    try:
+        comm.sparse_all_reduce(t)
+    except hcomm.MismatchError as e:
+        assert "every rank must reduce a tensor of the same size" in str(e) and f"has {rows} rows" in str(e), e
+    else:
+        raise AssertionError("tables of different sizes must fail on every rank")
 print("ok table sizes", flush=True)
 print("WORKER OK", flush=True)

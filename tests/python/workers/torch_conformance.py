@@ -732,6 +732,39 @@ elif CASE == "entry_points":
         assert "allgather_coalesced" in str(e) and "[4]" in str(e) and "[3]" in str(e), str(e)
     ok("all_gather_coalesced (uneven, empty, complex) equals gloo's; mismatched outputs refused")
 
+    # Lists of another length, shape or dtype than the tensor they go with are refused, as
+    # gloo does (a tensor of another shape with as many elements used to be filled in the
+    # wrong layout, and a scatter_list of the wrong length or sizes scattered its
+    # concatenation). Every check is local, before anything is sent: the group stays usable.
+    def refused(call, *words):
+        try:
+            call()
+        except ValueError as e:
+            assert all(w in str(e) for w in words), (words, str(e))
+            return
+        raise AssertionError(f"not refused: {words}")
+
+    refused(lambda: dist.all_gather([torch.zeros(2, 3) for _ in range(W)], torch.zeros(3, 2)),
+            "allgather", f"tensor_list[{R}] has shape (2, 3), expected (3, 2)")
+    refused(lambda: dist.all_gather([torch.zeros(3) for _ in range(W + 1)], torch.zeros(3)),
+            f"tensor_list has {W + 1} tensors, expected one per rank ({W})")
+    if R == 0:  # checked on the root only: the others do not call
+        refused(lambda: dist.gather(torch.zeros(3, 2), [torch.zeros(2, 3) for _ in range(W)], dst=0),
+                "gather", "gather_list[0] has shape (2, 3), expected (3, 2)")
+        uneven = [torch.arange(2.0), torch.arange(10.0, 14.0)] + [torch.zeros(3)] * (W - 2)
+        refused(lambda: dist.scatter(torch.zeros(3), uneven, src=0),
+                "scatter", "scatter_list[0] has shape (2,), expected (3,)")
+        refused(lambda: dist.scatter(torch.zeros(3), [torch.zeros(3 * W)], src=0),
+                f"scatter_list has 1 tensors, expected one per rank ({W})")
+    refused(lambda: dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(2 * W + 1)),
+            "reduce_scatter_tensor: the output has 1 elements", "world_size")
+    refused(lambda: dist.all_gather_into_tensor(torch.zeros(W + 1), torch.zeros(1)),
+            "all_gather_into_tensor: the output has", "world_size")
+    out = torch.zeros(3)
+    dist.scatter(out, [torch.full((3,), float(r)) for r in range(W)] if R == 0 else None, src=0)
+    assert torch.equal(out, torch.full((3,), float(R))), out
+    ok("lists of another length, shape or dtype are refused by name, as gloo does; the group stays usable")
+
     # sparse all-reduce with several sparse dimensions and dense ones, against gloo
     def sparse(group, sparse_dims, dense):
         n = R + 1
