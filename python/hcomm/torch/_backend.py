@@ -511,7 +511,27 @@ def _in_place(t: torch.Tensor, f: Any) -> None:
         tmp = w.contiguous()
         f(tmp)
         with torch.no_grad():
-            w.copy_(tmp)
+            _write_back(w, tmp)
+
+
+def _write_back(w: torch.Tensor, tmp: torch.Tensor) -> None:
+    """``w.copy_(tmp)``, also when ``w`` repeats elements along dimensions of stride 0 (an
+    ``expand()``ed tensor, which torch will not copy into): the positions that share an element
+    held the same value on each rank, so they hold the same result, written once (gloo writes
+    every position into the smaller storage, past its end). Other overlapping layouts are
+    refused by name."""
+    if torch._debug_has_internal_overlap(w) != 1:  # 0: none, 2: too hard to tell (copy_ checks)
+        w.copy_(tmp)
+        return
+    for d in range(w.dim()):
+        if w.stride(d) == 0 and w.size(d) > 1:
+            w, tmp = w.narrow(d, 0, 1), tmp.narrow(d, 0, 1)
+    if torch._debug_has_internal_overlap(w) == 1:
+        raise InvalidArgumentError(
+            f"hcomm backend: the tensor (shape {tuple(w.shape)}, strides {w.stride()}) has elements that overlap "
+            "other than along expanded dimensions; pass a tensor without overlapping elements"
+        )
+    w.copy_(tmp)
 
 
 def _is_own_block(block: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
@@ -675,7 +695,7 @@ class HcommBackend(_C10dBackend):
                 if after is not None:
                     after(w)
                 if buf is not out:
-                    out.copy_(buf)
+                    _write_back(out, buf)
 
         needs_post = after is not None or buf is not out
         if not getattr(opts, "asyncOp", False):

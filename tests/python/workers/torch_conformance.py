@@ -765,6 +765,15 @@ elif CASE == "entry_points":
     assert torch.equal(out, torch.full((3,), float(R))), out
     ok("lists of another length, shape or dtype are refused by name, as gloo does; the group stays usable")
 
+    # An expand()ed tensor (stride 0) is reduced in place: every position the sum (its copy
+    # back used to raise torch's "more than one element ... single memory location"). Not
+    # compared with gloo, which writes all 12 elements into the 3-element storage: that
+    # corrupted this process's heap.
+    t = torch.full((1, 3), float(R + 1)).expand(4, 3)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4, 3), float(W * (W + 1) // 2))), t
+    ok("an expanded tensor is all-reduced in place")
+
     # sparse all-reduce with several sparse dimensions and dense ones, against gloo
     def sparse(group, sparse_dims, dense):
         n = R + 1
