@@ -546,6 +546,21 @@ def _is_own_block(block: torch.Tensor, whole: torch.Tensor, rank: int) -> bool:
     )
 
 
+def _check_block_of(op: str, block: torch.Tensor, whole: torch.Tensor, rank: int) -> None:
+    """Refuse `block` lying in `whole`'s memory other than as this rank's block (FSDP's in-place
+    form), naming the block it is: the core would only say that the buffers overlap."""
+    n = block.numel() * block.element_size()
+    start, end = whole.data_ptr(), whole.data_ptr() + whole.numel() * whole.element_size()
+    if n == 0 or not start <= block.data_ptr() < end or _is_own_block(block, whole, rank):
+        return
+    offset = block.data_ptr() - start
+    where = f"block {offset // n} of the larger tensor" if offset % n == 0 and block.is_contiguous() else "inside the larger tensor"
+    raise InvalidArgumentError(
+        f"hcomm backend: {op}: the smaller tensor is {where}, but this is rank {rank}: in place, it must be block {rank}; "
+        "else pass tensors that do not overlap"
+    )
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """`t`'s elements as hcomm communicates them (`_wire`), contiguous and one-dimensional."""
     return _wire(t.detach().contiguous()).reshape(-1)
@@ -953,6 +968,7 @@ class HcommBackend(_C10dBackend):
                 f"{_numel(inp)}: the output must hold world_size ({self.size()}) times the input's elements"
             )
         src = _flat(inp)
+        _check_block_of("all_gather_into_tensor", src, _wire(output), self.rank())
         if _is_own_block(src, _wire(output), self.rank()):  # in place (FSDP's usage)
             return self._run(opts, output, lambda w, a: c.all_gather(None, w, None, a))
         return self._run(opts, output, lambda w, a: c.all_gather(src, w, None, a))
@@ -999,6 +1015,8 @@ class HcommBackend(_C10dBackend):
                 lambda w, a: c.all_to_all(src, recv, None, None, a),
                 after=lambda w: w.view(-1).copy_(red.fold(recv.view(n, -1))),
             )
+        if inp.is_contiguous():
+            _check_block_of("reduce_scatter_tensor", _wire(output), _wire(inp), self.rank())
         if red.factor is None and inp.is_contiguous() and _is_own_block(_wire(output), _wire(inp), self.rank()):
             # in place: the result lands in this rank's block of the input
             return self._run(opts, inp, lambda w, a: c.reduce_scatter(None, w, red.core, None, a), result=[output])

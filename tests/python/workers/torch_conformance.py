@@ -760,6 +760,13 @@ elif CASE == "entry_points":
             "reduce_scatter_tensor: the output has 1 elements", "world_size")
     refused(lambda: dist.all_gather_into_tensor(torch.zeros(W + 1), torch.zeros(1)),
             "all_gather_into_tensor: the output has", "world_size")
+    other = (R + 1) % W
+    if W > 1:
+        big = torch.zeros(2 * W)
+        refused(lambda: dist.all_gather_into_tensor(big, big[2 * other : 2 * other + 2]),
+                f"the smaller tensor is block {other} of the larger tensor, but this is rank {R}")
+        refused(lambda: dist.reduce_scatter_tensor(big[2 * other : 2 * other + 2], big),
+                f"the smaller tensor is block {other} of the larger tensor, but this is rank {R}")
     out = torch.zeros(3)
     dist.scatter(out, [torch.full((3,), float(r)) for r in range(W)] if R == 0 else None, src=0)
     assert torch.equal(out, torch.full((3,), float(R))), out
