@@ -344,17 +344,16 @@ mod tests {
 
     #[test]
     fn a_second_process_with_the_same_rank_is_refused_naming_the_first() {
-        // Before the world forms: at once.
+        // Before the world forms: at once. (No upper bound on the time is asserted: had this
+        // rank waited out the timeout instead, its error would be the stale-store one.)
         let (_server, addr) = store();
         let mut c = StoreClient::connect(&addr, SECS5, None).unwrap();
         let other = another_live_process();
         assert_eq!(claim::claim(&mut c, 1, &other, &addr).unwrap(), Ok(()));
-        let started = Instant::now();
         let e = join_store(&addr, 1, Duration::from_secs(30), None)
             .err()
             .expect("an error")
             .to_string();
-        assert!(started.elapsed() < Duration::from_secs(10), "{e}");
         assert!(
             e.contains(&format!("rank 1 of the job whose rendezvous store is at {addr} is already held by process {}", other.pid))
                 && e.contains("two processes were started with the same rank"),
@@ -370,7 +369,6 @@ mod tests {
             .expect("an error")
             .to_string();
         assert!(started.elapsed() >= HELD_RANK_GRACE, "{e}");
-        assert!(started.elapsed() < Duration::from_secs(15), "{e}");
         assert!(e.contains("is already held by process"), "{e}");
         // This same process joining again (InitHcom after DestroyHcom) still waits for the
         // store to go away.
