@@ -526,7 +526,8 @@ fn cmd_run(a: RunArgs) -> ExitCode {
     spec.keep_going = a.keep_going;
     spec.master_port = a.port;
     spec.bind = a.bind;
-    let rendezvous_given = a.master.is_some() || a.port.is_some();
+    let master_given = a.master.is_some();
+    let rendezvous_given = master_given || a.port.is_some();
     if let Some(m) = a.master {
         match m
             .rsplit_once(':')
@@ -552,28 +553,33 @@ fn cmd_run(a: RunArgs) -> ExitCode {
         }
     }
     // The launcher gives its ranks its own rendezvous: say so when the environment named
-    // another, which a user may have meant the job to use.
-    if !rendezvous_given {
-        let named: Vec<String> = [
+    // another (an address unless --master was given, a port unless --master or --port was).
+    let replaced: &[&str] = match (master_given, rendezvous_given) {
+        (true, _) => &[],
+        (false, true) => &["HCOMM_MASTER_ADDR", "MASTER_ADDR"],
+        (false, false) => &[
             "HCOMM_MASTER_ADDR",
             "HCOMM_MASTER_PORT",
             "MASTER_ADDR",
             "MASTER_PORT",
-        ]
+        ],
+    };
+    let named: Vec<String> = replaced
         .iter()
         .filter_map(|k| {
             let v = std::env::var(k).ok()?;
             (!v.is_empty()).then(|| format!("{k}={v}"))
         })
         .collect();
-        if !named.is_empty() {
-            hcomm_cli::say!(
-                "hcomm run: {} in the environment is not used: the ranks meet at {} on a free port \
-                 (give --master HOST:PORT or --port to choose)",
-                named.join(", "),
-                spec.master_addr
-            );
-        }
+    if !named.is_empty() {
+        hcomm_cli::say!(
+            "hcomm run: {} in the environment is not used: the ranks meet at {} on {} \
+             (give --master HOST:PORT or --port to choose)",
+            named.join(", "),
+            spec.master_addr,
+            spec.master_port
+                .map_or("a free port".to_string(), |p| format!("port {p}"))
+        );
     }
     match launch(&spec) {
         Ok(code) => exit(code),

@@ -33,11 +33,11 @@ use std::sync::Arc;
 const OP: &str = "sparse_all_reduce";
 
 /// Entries of each rank's header in [`Communicator::sparse_all_reduce_table_bytes`]: rows,
-/// row length, dtype, verdict, table rows ([`UNSAID`] when not given).
+/// row length, dtype, verdict, table rows ([`NOT_GIVEN`] when not given).
 const HEADER: usize = 5;
 
 /// A header's table rows when the rank did not give them.
-const UNSAID: u64 = u64::MAX;
+const NOT_GIVEN: u64 = u64::MAX;
 
 /// A row-sparse tensor: row `indices[i]` of the dense tensor holds
 /// `values[i * row_len .. (i + 1) * row_len]`; every other row is zero.
@@ -193,7 +193,7 @@ impl Communicator {
             row_len as u64,
             dtype as u8 as u64,
             u64::from(local.is_ok()),
-            table_rows.map_or(UNSAID, |t| t as u64),
+            table_rows.map_or(NOT_GIVEN, |t| t as u64),
         ];
         let mut headers = vec![0u64; HEADER * n];
         self.all_gather(&mine, &mut headers)?;
@@ -208,19 +208,27 @@ impl Communicator {
                 ),
             });
         }
-        for (r, h) in headers.chunks(HEADER).enumerate() {
-            if let (Some(rows), true) = (table_rows, h[4] != UNSAID) {
-                if h[4] != rows as u64 {
-                    return Err(disagreement(
-                        OP,
-                        r,
-                        format!(
-                            "this rank's tensor has {rows} rows, rank {r}'s {}: every rank must reduce a tensor of the same size",
-                            h[4]
-                        ),
-                    ));
-                }
+        // Every rank compares every given number of rows with the first given (not only with
+        // its own, which it may not have given), so that all reach the same verdict.
+        let given = headers
+            .chunks(HEADER)
+            .enumerate()
+            .filter(|(_, h)| h[4] != NOT_GIVEN);
+        if let Some((first, f)) = given.clone().next() {
+            if let Some((r, h)) = given.clone().find(|(_, h)| h[4] != f[4]) {
+                return Err(disagreement(
+                    OP,
+                    if table_rows == Some(h[4] as usize) { first } else { r },
+                    format!(
+                        "rank {first}'s tensor has {} rows, rank {r}'s {}{}: every rank must reduce a tensor of the same size",
+                        f[4],
+                        h[4],
+                        table_rows.map_or(String::new(), |t| format!(" (this rank's {t})"))
+                    ),
+                ));
             }
+        }
+        for (r, h) in headers.chunks(HEADER).enumerate() {
             if h[1] != row_len as u64 || h[2] != dtype as u8 as u64 {
                 return Err(disagreement(
                     OP,

@@ -276,12 +276,33 @@ fn tensors_of_different_sizes_and_rows_beyond_the_tensor_fail_every_rank() {
         for (r, res) in results.into_iter().enumerate() {
             let e = res.unwrap_err();
             assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e}");
-            let want = if r == 2 {
-                "this rank's tensor has 5 rows, rank 0's 4"
-            } else {
-                "this rank's tensor has 4 rows, rank 2's 5"
-            };
-            assert!(e.to_string().contains(want), "rank {r}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("rank 0's tensor has 4 rows, rank 2's 5"),
+                "rank {r}: {e}"
+            );
+        }
+        // A rank that does not give its number of rows fails with the others, not in the
+        // gathers at its timeout.
+        let results = run_threads_with(3, transport, Duration::from_secs(30), |c| {
+            let table = [Some(4), Some(5), None][c.rank()];
+            c.sparse_all_reduce_table_bytes(
+                &[0],
+                bytemuck::cast_slice(&[1.0f32]),
+                1,
+                table,
+                hcomm::DType::F32,
+                ReduceOp::Sum,
+            )
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let e = res.unwrap_err();
+            assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("rank 0's tensor has 4 rows, rank 1's 5"),
+                "rank {r}: {e}"
+            );
         }
         let results = run_threads_with(2, transport, Duration::from_secs(30), |c| {
             let row = if c.rank() == 1 { 999_999 } else { 2 };

@@ -523,6 +523,7 @@ def _write_back(w: torch.Tensor, tmp: torch.Tensor) -> None:
     if torch._debug_has_internal_overlap(w) != 1:  # 0: none, 2: too hard to tell (copy_ checks)
         w.copy_(tmp)
         return
+    whole = tmp
     for d in range(w.dim()):
         if w.stride(d) == 0 and w.size(d) > 1:
             w, tmp = w.narrow(d, 0, 1), tmp.narrow(d, 0, 1)
@@ -530,6 +531,17 @@ def _write_back(w: torch.Tensor, tmp: torch.Tensor) -> None:
         raise InvalidArgumentError(
             f"hcomm backend: the tensor (shape {tuple(w.shape)}, strides {w.stride()}) has elements that overlap "
             "other than along expanded dimensions; pass a tensor without overlapping elements"
+        )
+    # Only a result that repeats along the expanded dimensions fits (an all-reduce's does; an
+    # all-gather's or a scatter's into an expanded output does not).
+    again = tmp.expand_as(whole)
+    same = again == whole
+    if whole.is_floating_point():
+        same |= again.isnan() & whole.isnan()
+    if not bool(same.all()):
+        raise InvalidArgumentError(
+            "hcomm backend: the output is an expand()ed tensor (stride 0) but the result differs along its "
+            "expanded dimensions; pass an output that does not repeat its elements"
         )
     w.copy_(tmp)
 

@@ -770,7 +770,7 @@ elif CASE == "entry_points":
     out = torch.zeros(3)
     dist.scatter(out, [torch.full((3,), float(r)) for r in range(W)] if R == 0 else None, src=0)
     assert torch.equal(out, torch.full((3,), float(R))), out
-    ok("lists of another length, shape or dtype are refused by name, as gloo does; the group stays usable")
+    ok("lists of another length or shape are refused by name, as gloo does; the group stays usable")
 
     # An expand()ed tensor (stride 0) is reduced in place: every position the sum (its copy
     # back used to raise torch's "more than one element ... single memory location"). Not
@@ -779,6 +779,10 @@ elif CASE == "entry_points":
     t = torch.full((1, 3), float(R + 1)).expand(4, 3)
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4, 3), float(W * (W + 1) // 2))), t
+    # An all-gather into an expanded output would keep one rank's block only: refused.
+    if W > 1:
+        refused(lambda: dist.all_gather_into_tensor(torch.zeros(1).expand(W), torch.full((1,), float(R))),
+                "differs along its expanded dimensions")
     ok("an expanded tensor is all-reduced in place")
 
     # sparse all-reduce with several sparse dimensions and dense ones, against gloo

@@ -30,9 +30,14 @@ pub struct ProcessIdentity {
 }
 
 impl ProcessIdentity {
-    /// This process.
+    /// This process. Its pid is the one `/proc` knows it by (`/proc/self`), which is what
+    /// another process looks up; it differs from `getpid()` when `/proc` was mounted for
+    /// another pid namespace.
     pub fn current() -> ProcessIdentity {
-        let pid = std::process::id();
+        let pid = std::fs::read_link("/proc/self")
+            .ok()
+            .and_then(|p| p.to_str()?.parse().ok())
+            .unwrap_or_else(std::process::id);
         ProcessIdentity {
             boot_id: boot_id(),
             pid_ns: pid_namespace(),
@@ -42,14 +47,30 @@ impl ProcessIdentity {
         }
     }
 
+    /// The same process as `other` (the host name, which can change, aside).
+    pub fn same_process(&self, other: &ProcessIdentity) -> bool {
+        self.boot_id == other.boot_id
+            && self.pid_ns == other.pid_ns
+            && self.pid == other.pid
+            && self.start == other.start
+    }
+
     /// Whether `self` is a process of this machine (same boot, same pid namespace) that is
-    /// running now. `false` when that cannot be told.
+    /// running now (a zombie is not). `false` when that cannot be told.
     pub fn is_alive_here(&self) -> bool {
         !self.boot_id.is_empty()
             && self.boot_id == boot_id()
             && self.pid_ns == pid_namespace()
             && self.start != 0
             && start_time(self.pid) == Some(self.start)
+    }
+
+    /// The store key that says this process took part in the world whose store it is.
+    fn part_key(&self) -> String {
+        format!(
+            "world/took-part/{}/{}/{}/{}",
+            self.boot_id, self.pid_ns, self.pid, self.start
+        )
     }
 
     /// `process PID on HOST`.
@@ -70,13 +91,18 @@ fn pid_namespace() -> String {
         .unwrap_or_default()
 }
 
-/// Field 22 of `/proc/PID/stat` (the process's start time); the command name, field 2, may
-/// hold spaces and parentheses, so the fields are counted after its last `)`.
+/// Field 22 of `/proc/PID/stat` (the process's start time), or `None` when the process is
+/// gone or a zombie; the command name, field 2, may hold spaces and parentheses, so the
+/// fields are counted after its last `)`.
 pub(crate) fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after_name = &stat[stat.rfind(')')? + 1..];
     // after_name starts with field 3 (state); field 22 is the 20th from there.
-    after_name.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = after_name.split_whitespace();
+    if matches!(fields.next(), Some("Z" | "X" | "x")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// The store key under which the process holding world rank `rank` records itself.
@@ -86,6 +112,12 @@ pub fn claimant_key(rank: usize) -> String {
 
 fn claims_key(rank: usize) -> String {
     format!("world/claims/{rank}")
+}
+
+/// Whether `me` claimed a rank of the world whose store this is (then a formed world in it is
+/// this process's earlier one: a re-initialisation, whatever rank it has now).
+pub fn took_part(store: &mut StoreClient, me: &ProcessIdentity) -> Result<bool, StoreError> {
+    store.check(&me.part_key())
 }
 
 /// The process recorded as holding world rank `rank`, if any.
@@ -109,7 +141,7 @@ pub fn held_by_another(
     rank: usize,
     store_addr: &str,
 ) -> Option<String> {
-    if holder == me || !holder.is_alive_here() {
+    if holder.same_process(me) || !holder.is_alive_here() {
         return None;
     }
     Some(format!(
@@ -132,6 +164,7 @@ pub fn claim(
     store_addr: &str,
 ) -> Result<Result<(), String>, StoreError> {
     let record = serde_json::to_vec(me).expect("serialisable");
+    store.set(&me.part_key(), rank.to_string().as_bytes())?;
     // The counter decides which of two processes claiming at once records itself first; the
     // other then reads that record.
     if store.add(&claims_key(rank), 1)? == 1 {
@@ -152,7 +185,8 @@ pub fn claim(
         if let Some(why) = held_by_another(holder, me, rank, store_addr) {
             return Ok(Err(why));
         }
-        if holder != me && !holder.is_alive_here() && holder.boot_id != me.boot_id {
+        let unknowable = holder.boot_id != me.boot_id || holder.pid_ns != me.pid_ns;
+        if !holder.same_process(me) && unknowable {
             tracing::warn!(
                 "rank {rank} was held by {}, on another machine or in another container, which \
                  this process cannot check: taking the rank over",

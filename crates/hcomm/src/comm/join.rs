@@ -75,8 +75,11 @@ pub(super) fn join_store(
         }
         // Who the formed world's record of this rank names.
         let holder = claim::claimant(&mut store, rank).map_err(store_error)?;
+        // (A process that took part in that world is re-initialising: it waits, as before.)
+        let rejoining = claim::took_part(&mut store, &me).map_err(store_error)?;
         let held = holder
             .as_ref()
+            .filter(|_| !rejoining)
             .and_then(|h| claim::held_by_another(h, &me, rank, addr));
         match (held, held_since) {
             (Some(why), Some(since)) if since.elapsed() >= HELD_RANK_GRACE => {
@@ -93,7 +96,7 @@ pub(super) fn join_store(
                  without this rank after {timeout:?}: rank 0 has not dropped its earlier \
                  communicator on this port (drop it first), or another job uses the port{}",
                 match &holder {
-                    Some(h) if *h != me => format!(
+                    Some(h) if !h.same_process(&me) => format!(
                         " (its rank {rank} is {}, not this process: two processes started \
                          with the same rank?)",
                         h.describe()
@@ -359,25 +362,32 @@ mod tests {
                 && e.contains("two processes were started with the same rank"),
             "{e}"
         );
-        // Rank 2 is free.
+        // Rank 2 is free (and this process takes part in that world).
         join_store(&addr, 2, SECS5, None).unwrap();
-        // After the world formed: once the first has held the rank for the grace period.
-        c.set(&bootstrap::peer_list_key("world"), b"[]").unwrap();
+        // After a world formed that this process had no part in: once the first has held the
+        // rank for the grace period.
+        let (_server2, addr2) = store();
+        let mut c2 = StoreClient::connect(&addr2, SECS5, None).unwrap();
+        assert_eq!(claim::claim(&mut c2, 1, &other, &addr2).unwrap(), Ok(()));
+        c2.set(&bootstrap::peer_list_key("world"), b"[]").unwrap();
         let started = Instant::now();
-        let e = join_store(&addr, 1, Duration::from_secs(30), None)
+        let e = join_store(&addr2, 1, Duration::from_secs(30), None)
             .err()
             .expect("an error")
             .to_string();
         assert!(started.elapsed() >= HELD_RANK_GRACE, "{e}");
         assert!(e.contains("is already held by process"), "{e}");
-        // This same process joining again (InitHcom after DestroyHcom) still waits for the
-        // store to go away.
-        let e = join_store(&addr, 2, Duration::from_millis(300), None)
+        // A process that took part in the formed world (here as rank 2) is re-initialising,
+        // whatever rank it asks for now (rank 1, still held by the live other process): it
+        // waits for that store to go away, as before, and its timeout names the holder.
+        c.set(&bootstrap::peer_list_key("world"), b"[]").unwrap();
+        let e = join_store(&addr, 1, Duration::from_millis(300), None)
             .err()
             .expect("an error")
             .to_string();
         assert!(
-            e.contains("still served a communicator formed without this rank"),
+            e.contains("still served a communicator formed without this rank")
+                && e.contains(&format!("its rank 1 is process {}", other.pid)),
             "{e}"
         );
     }

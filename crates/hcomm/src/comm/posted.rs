@@ -683,17 +683,26 @@ impl Communicator {
             for m in new {
                 if let Some(e) = &failed {
                     // Posted after the loop failed (and had failed the messages it carried):
-                    // refused as any later operation is, not given the failure of messages it
-                    // was never part of.
-                    let refused = match &inner.poisoned {
-                        Some(first) => Error::Poisoned {
-                            ctx: OpContext {
-                                op: m.op,
-                                seq: inner.seq,
+                    // refused as `lock` refuses a later operation (aborted, revoked or
+                    // poisoned), not given the failure of messages it was never part of; only
+                    // a failure that leaves the communicator usable is passed on as it is.
+                    let ctx = OpContext {
+                        op: m.op,
+                        seq: inner.seq,
+                    };
+                    let refused = if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+                        match self.revocation.revoked_by() {
+                            Some(by) => Error::Revoked { ctx, by },
+                            None => Error::Aborted { ctx },
+                        }
+                    } else {
+                        match &inner.poisoned {
+                            Some(first) => Error::Poisoned {
+                                ctx,
+                                first: first.clone(),
                             },
-                            first: first.clone(),
-                        },
-                        None => e.clone(),
+                            None => e.clone(),
+                        }
                     };
                     (m.finish)(Err(refused));
                     continue;
