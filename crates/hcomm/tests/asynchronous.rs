@@ -245,6 +245,38 @@ fn a_missing_peer_times_out_through_work_and_poisons_later_calls() {
     });
 }
 
+/// A rank that reaches a collective after its peer gave up on it is told that it was the
+/// one waited for. It used to read `rank 0 reported an error: timed out waiting for rank 0`
+/// over shared memory: the blame that landed on it was passed on to the rank it waited for.
+#[test]
+fn a_rank_that_comes_after_its_peer_gave_up_is_told_it_was_the_one_waited_for() {
+    for transport in TRANSPORTS {
+        let step = hcomm::testing::TestBarrier::new(2);
+        ranks(2, transport, Duration::from_millis(400), |c| {
+            let mut v = vec![1.0f32; 1 << 20];
+            if c.rank() == 0 {
+                let e = c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+                assert!(e.is_timeout(), "{transport:?}: {e}");
+                step.wait(); // rank 1 comes now
+                step.wait(); // and has its error: this rank stays until then
+            } else {
+                step.wait();
+                let e = c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(
+                        "rank 0 reported an error: timed out waiting for this rank (rank 1)"
+                    ),
+                    "{transport:?}: {msg}"
+                );
+                assert!(hcomm::testing::names_rank(&e, 1), "{transport:?}: {e:?}");
+                step.wait();
+            }
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn wait_timeout_leaves_the_operation_in_flight() {
     let go = hcomm::testing::TestBarrier::new(2);

@@ -283,12 +283,19 @@ impl AbortReason {
         }
     }
 
-    /// The error a rank gets when `reporter` tells it that it failed for this reason.
+    /// The error rank `me` gets when `reporter` tells it that it failed for this reason,
+    /// blaming `culprit`. When the blame lands on `me` itself while `me` waits for rank
+    /// another rank than the reporter (`waiting_for`), the message says both and the error's
+    /// culprit passes on to that rank: a rank blamed while it waits is not the cause, the rank
+    /// it waits for is, along the chain. Blame that lands on `me` otherwise stays (`me` came
+    /// late, after the reporter gave up on it) and names it as this rank.
     pub(crate) fn remote_error(
         self,
         ctx: OpContext,
         reporter: usize,
         culprit: Option<usize>,
+        me: usize,
+        waiting_for: Option<usize>,
     ) -> Error {
         if self == AbortReason::Revoked {
             return Error::Revoked {
@@ -296,18 +303,38 @@ impl AbortReason {
                 by: culprit.unwrap_or(reporter),
             };
         }
-        let what = match (self, culprit) {
-            (AbortReason::PeerGone, Some(c)) => format!("rank {c} died or closed its connection"),
-            (AbortReason::Timeout, Some(c)) => format!("timed out waiting for rank {c}"),
-            (AbortReason::Mismatch, Some(c)) => {
-                format!("rank {c} called a different collective")
+        let blamed_me = culprit == Some(me);
+        let who = |c: usize| {
+            if blamed_me {
+                format!("this rank (rank {c})")
+            } else {
+                format!("rank {c}")
             }
-            (AbortReason::Protocol, Some(c)) => format!("protocol error from rank {c}"),
-            (AbortReason::Relayed, Some(c)) => format!("the job failed because of rank {c}"),
+        };
+        let mut what = match (self, culprit) {
+            (AbortReason::PeerGone, Some(c)) if blamed_me => {
+                format!("lost its connection to {}", who(c))
+            }
+            (AbortReason::PeerGone, Some(c)) => format!("rank {c} died or closed its connection"),
+            (AbortReason::Timeout, Some(c)) => format!("timed out waiting for {}", who(c)),
+            (AbortReason::Mismatch, Some(c)) => {
+                format!("{} called a different collective", who(c))
+            }
+            (AbortReason::Protocol, Some(c)) => format!("protocol error from {}", who(c)),
+            (AbortReason::Relayed, Some(c)) => {
+                format!("the job failed because of {}", who(c))
+            }
             (AbortReason::Aborted, _) => "aborted".to_string(),
-            (_, Some(c)) => format!("failed (blaming rank {c})"),
+            (_, Some(c)) => format!("failed (blaming {})", who(c)),
             (_, None) => "failed".to_string(),
         };
+        let mut culprit = culprit;
+        if blamed_me {
+            if let Some(w) = waiting_for.filter(|&w| w != me && w != reporter) {
+                what.push_str(&format!(", while this rank was waiting for rank {w}"));
+                culprit = Some(w);
+            }
+        }
         Error::Remote {
             ctx,
             peer: reporter,
@@ -319,3 +346,74 @@ impl AbortReason {
 
 /// Result type of hcomm.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote(
+        reason: AbortReason,
+        reporter: usize,
+        culprit: Option<usize>,
+        me: usize,
+        waiting_for: Option<usize>,
+    ) -> (Option<usize>, String) {
+        let ctx = OpContext {
+            op: "all_reduce",
+            seq: 3,
+        };
+        match reason.remote_error(ctx, reporter, culprit, me, waiting_for) {
+            Error::Remote { culprit, msg, .. } => (culprit, msg),
+            e => panic!("not a remote error: {e}"),
+        }
+    }
+
+    #[test]
+    fn blame_on_a_waiting_rank_passes_on_and_a_late_rank_is_named_as_itself() {
+        // Blamed by rank 2 while waiting for rank 0: rank 0 is the cause, both are said.
+        let (culprit, msg) = remote(AbortReason::Timeout, 2, Some(1), 1, Some(0));
+        assert_eq!(culprit, Some(0));
+        assert_eq!(
+            msg,
+            "timed out waiting for this rank (rank 1), while this rank was waiting for rank 0; \
+             this communicator is unusable"
+        );
+        // Came late: the reporter gave up on this rank, which now waits for the reporter. It
+        // used to read "timed out waiting for rank 0" on rank 1, from rank 0.
+        let (culprit, msg) = remote(AbortReason::Timeout, 0, Some(1), 1, Some(0));
+        assert_eq!(culprit, Some(1));
+        assert_eq!(
+            msg,
+            "timed out waiting for this rank (rank 1); this communicator is unusable"
+        );
+        let (culprit, msg) = remote(AbortReason::Timeout, 0, Some(1), 1, None);
+        assert_eq!(
+            (culprit, msg.contains("this rank (rank 1)")),
+            (Some(1), true)
+        );
+        // Blame on another rank is passed through as it came.
+        let (culprit, msg) = remote(AbortReason::PeerGone, 0, Some(2), 1, Some(0));
+        assert_eq!(culprit, Some(2));
+        assert_eq!(
+            msg,
+            "rank 2 died or closed its connection; this communicator is unusable"
+        );
+        let (_, msg) = remote(AbortReason::PeerGone, 0, Some(1), 1, None);
+        assert!(
+            msg.starts_with("lost its connection to this rank (rank 1)"),
+            "{msg}"
+        );
+        // A revocation names who revoked, this rank included.
+        let e = AbortReason::Revoked.remote_error(
+            OpContext {
+                op: "barrier",
+                seq: 0,
+            },
+            0,
+            Some(1),
+            1,
+            Some(0),
+        );
+        assert!(matches!(e, Error::Revoked { by: 1, .. }), "{e}");
+    }
+}

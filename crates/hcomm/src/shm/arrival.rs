@@ -59,7 +59,8 @@ impl ShmGroup {
 
     /// The failure another local rank reported, as this rank's error. Blame that lands on
     /// this rank while it waits for rank `waiting_for` passes on to that rank (this rank is
-    /// not the cause: it is waiting too).
+    /// not the cause: it is waiting too, or came after the reporter gave up), and the message
+    /// says so.
     pub(super) fn posted_abort(&self, w: &WaitCtx, waiting_for: usize) -> Option<Error> {
         let word = self.seg.atomic_u64(ABORT_WORD).load(Ordering::Acquire);
         if word == 0 {
@@ -69,15 +70,15 @@ impl ShmGroup {
         let reason = crate::base::error::AbortReason::from_u8((word >> 32) as u8);
         let culprit = match word & 0xffff_ffff {
             0 => None,
-            // A revocation names who revoked, even when that is this rank.
-            c if c as usize - 1 == self.rank
-                && reason != crate::base::error::AbortReason::Revoked =>
-            {
-                Some(waiting_for)
-            }
             c => Some(c as usize - 1),
         };
-        Some(reason.remote_error(w.ctx.clone(), reporter, culprit))
+        Some(reason.remote_error(
+            w.ctx.clone(),
+            reporter,
+            culprit,
+            self.rank,
+            Some(waiting_for),
+        ))
     }
 
     /// Publish the CPU this rank runs on (it is about to wait) and return it (plus one), or

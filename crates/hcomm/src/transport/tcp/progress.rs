@@ -28,7 +28,7 @@ impl TcpLinks {
                 .find_map(next_abort);
             if let Some(h) = notice {
                 let (reason, culprit) = abort_notice(&h);
-                r = Err(reason.remote_error(ctx.clone(), peer, culprit));
+                r = Err(reason.remote_error(ctx.clone(), peer, culprit, self.rank, None));
             }
         }
         if let Err(e) = &r {
@@ -703,15 +703,20 @@ impl TcpLinks {
                     }
                 }
                 Kind::Abort => {
-                    let (reason, mut culprit) = abort_notice(&hdr);
-                    if culprit == Some(self.rank) {
-                        // Blamed while waiting for someone else: the blame passes on to the
-                        // rank this one waits for (along the chain to the real cause).
-                        if let Some(r) = recvs.iter().find(|r| !r.done() && r.peer != peer) {
-                            culprit = Some(r.peer);
-                        }
-                    }
-                    return Err(reason.remote_error(ctx.clone(), peer, culprit));
+                    let (reason, culprit) = abort_notice(&hdr);
+                    // Blamed while waiting for someone else: the blame passes on to the rank
+                    // this one waits for (along the chain to the real cause).
+                    let waiting_for = recvs
+                        .iter()
+                        .find(|r| !r.done() && r.peer != peer)
+                        .map(|r| r.peer);
+                    return Err(reason.remote_error(
+                        ctx.clone(),
+                        peer,
+                        culprit,
+                        self.rank,
+                        waiting_for,
+                    ));
                 }
                 _ if stripe != 0 => {
                     return Err(protocol(format!(
