@@ -325,6 +325,37 @@ def test_torch_tensors_in_place_and_errors(comm):
         comm.all_reduce(torch.full((3,), 2.0)._neg_view(), op="max")
 
 
+@needs_torch
+def test_a_tensor_whose_storage_was_resized_is_refused_not_overrun(comm):
+    # FSDP frees unsharded parameters this way: the shape stays, the memory goes. hcomm wrote
+    # the shape's bytes into the 16-byte (or null) storage and the process died (2026-12-08).
+    for nbytes in (16, 0):
+        t = torch.zeros(1 << 10)
+        t.untyped_storage().resize_(nbytes)
+        with pytest.raises(ValueError, match=f"storage holds {nbytes} bytes"):
+            comm.broadcast(t, 0)
+    # A view at an offset is measured from its offset.
+    base = torch.zeros(8)
+    view = base[4:]
+    base.untyped_storage().resize_(24)
+    with pytest.raises(ValueError, match="16 bytes from byte 16"):
+        comm.all_reduce(view)
+    assert comm.all_reduce(torch.zeros(8)[4:]).shape == (4,)
+
+
+def test_an_array_interface_must_declare_its_dtypes_element_size(comm):
+    class Mislabelled:
+        """float32 memory under a float64 name: twice the bytes would be read and written."""
+
+        def __init__(self, a):
+            self._a = a
+            self.dtype = np.dtype(np.float64)
+            self.__array_interface__ = dict(a.__array_interface__)
+
+    with pytest.raises(TypeError, match="declares <f4"):
+        comm.all_reduce(Mislabelled(np.ones(4, dtype=np.float32)))
+
+
 def test_ml_dtypes_bfloat16(comm):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     a = np.ones(4, dtype=ml_dtypes.bfloat16)
@@ -385,6 +416,10 @@ def test_shared_memory_views_files_and_free(comm):
     np.testing.assert_array_equal(m, np.arange(1024, dtype=np.float32))
     with pytest.raises(ValueError, match="do not fit"):
         shm.numpy(np.float64, shape=(1000,))
+    # Checked before allocating: this aborted the interpreter (2026-12-08).
+    with pytest.raises(ValueError, match="go beyond its 4096 bytes"):
+        shm._raw.read(1 << 62)
+    assert len(shm._raw.read(8, 4088)) == 8 and len(shm._raw.read(16)) == 16
     with pytest.raises(ValueError, match="multiple"):
         shm.numpy(np.float32, offset=3)
     with pytest.raises(BufferError, match="view"):

@@ -196,16 +196,35 @@ fn torch_buffer(op: &str, what: &str, t: &Bound<'_, PyAny>) -> PyResult<Buf> {
             dtype.size()
         )));
     }
+    let len = numel
+        .checked_mul(esize)
+        .ok_or_else(|| invalid_argument(format!("{op}: {what} has {numel} elements: too large")))?;
     let addr: usize = if numel == 0 {
         0
     } else {
         t.call_method0("data_ptr")?.extract()?
     };
-    Ok(Buf {
-        addr,
-        len: numel * esize,
-        dtype,
-    })
+    if numel > 0 {
+        // The tensor's shape is not its memory: a storage resized after the tensor was made
+        // (`t.untyped_storage().resize_(0)`, how FSDP frees unsharded parameters) leaves the
+        // shape as it was over fewer bytes, or none (a null data pointer).
+        let storage = t.call_method0("untyped_storage")?;
+        let nbytes: usize = storage.call_method0("nbytes")?.extract()?;
+        let offset: usize = t.call_method0("storage_offset")?.extract()?;
+        let end = offset
+            .checked_mul(esize)
+            .and_then(|o| o.checked_add(len))
+            .unwrap_or(usize::MAX);
+        if addr == 0 || end > nbytes {
+            return Err(invalid_argument(format!(
+                "{op}: {what} has {numel} elements ({len} bytes from byte {}) but its storage \
+                 holds {nbytes} bytes (was the storage resized or freed, e.g. by \
+                 untyped_storage().resize_()?)",
+                offset.saturating_mul(esize)
+            )));
+        }
+    }
+    Ok(Buf { addr, len, dtype })
 }
 
 fn array_buffer(
@@ -249,6 +268,16 @@ fn array_buffer(
         },
     };
     let dtype = dtype_named(op, what, &name)?;
+    // The element size the interface declares must be the dtype's (an object may expose any
+    // __array_interface__; numpy's own are consistent).
+    if let Some(itemsize) = typestr.get(2..).and_then(|n| n.parse::<usize>().ok()) {
+        if itemsize != dtype.size() {
+            return Err(bad(&format!(
+                "dtype {name} has {}-byte elements but __array_interface__ declares {typestr}",
+                dtype.size()
+            )));
+        }
+    }
     let data = get("data")?.ok_or_else(|| bad("__array_interface__ has no data"))?;
     let (addr, readonly): (usize, bool) = data
         .extract()
@@ -261,7 +290,11 @@ fn array_buffer(
     let shape: Vec<usize> = get("shape")?
         .ok_or_else(|| bad("__array_interface__ has no shape"))?
         .extract()?;
-    let numel: usize = shape.iter().product();
+    let numel = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .and_then(|n| n.checked_mul(dtype.size()).map(|_| n))
+        .ok_or_else(|| bad(&format!("shape {shape:?} is too large")))?;
     if let Some(strides) = get("strides")?.filter(|s| !s.is_none()) {
         let strides: Vec<isize> = strides.extract()?;
         let mut expect = dtype.size() as isize;

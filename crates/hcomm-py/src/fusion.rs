@@ -22,8 +22,8 @@ type BucketResult = (Option<Vec<u8>>, Option<BucketState>);
 
 struct Pushed {
     buf: Buf,
-    /// Keeps the tensor alive until the step has finished.
-    _owner: Py<PyAny>,
+    /// Keeps the tensor (and a torch tensor's storage) alive until the step has finished.
+    _owner: Vec<Py<PyAny>>,
 }
 
 struct Step {
@@ -140,7 +140,7 @@ impl PyFusion {
         let index = s.tensors.len();
         s.tensors.push(Pushed {
             buf: b,
-            _owner: tensor.clone().unbind(),
+            _owner: crate::keep(&[Some(tensor)]),
         });
         for bucket in s.planner.add(index, b.dtype, b.elements() * b.dtype.size()) {
             self.launch(&mut s, bucket);

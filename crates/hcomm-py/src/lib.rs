@@ -119,13 +119,22 @@ impl PyComm {
     }
 }
 
-/// The Python objects among `objs`, as owned references (kept by asynchronous jobs).
-fn keep(objs: &[Option<&Bound<'_, PyAny>>]) -> Vec<Py<PyAny>> {
-    objs.iter()
-        .flatten()
-        .filter(|o| !o.is_none())
-        .map(|o| (*o).clone().unbind())
-        .collect()
+/// The Python objects among `objs`, as owned references, held until the operation ends (by
+/// asynchronous jobs, and by blocking calls while the GIL is released). A torch tensor's
+/// storage is kept too: the tensor object alone does not keep its memory (`t.set_()` swaps
+/// the storage, freeing the old one the operation writes into). Resizing the storage itself
+/// during the operation stays undefined, as with torch's own backends.
+pub(crate) fn keep(objs: &[Option<&Bound<'_, PyAny>>]) -> Vec<Py<PyAny>> {
+    let mut kept = Vec::with_capacity(objs.len() * 2);
+    for o in objs.iter().flatten().filter(|o| !o.is_none()) {
+        kept.push((*o).clone().unbind());
+        if o.hasattr("untyped_storage").unwrap_or(false) {
+            if let Ok(storage) = o.call_method0("untyped_storage") {
+                kept.push(storage.unbind());
+            }
+        }
+    }
+    kept
 }
 
 #[pymethods]
@@ -1213,6 +1222,13 @@ impl PySharedMemory {
     fn read(&self, py: Python<'_>, size: usize, offset: usize) -> PyResult<Vec<u8>> {
         let g = self.shm.read().unwrap_or_else(|p| p.into_inner());
         let s = g.as_ref().ok_or_else(|| self.freed_error())?;
+        // Checked before allocating: a size beyond the memory is an error, not an abort.
+        if offset.checked_add(size).is_none_or(|end| end > s.len()) {
+            return Err(invalid_argument(format!(
+                "SharedMemory.read: {size} bytes at offset {offset} go beyond its {} bytes",
+                s.len()
+            )));
+        }
         let mut out = vec![0u8; size];
         s.read(offset, &mut out).map_err(|e| to_pyerr(py, e))?;
         Ok(out)

@@ -3,7 +3,7 @@
 
 use hcomm::config::TransportKind;
 use hcomm::testing::{expect_all as all_ok, run_threads_with};
-use hcomm::{Error, ReduceOp};
+use hcomm::{DType, Error, ReduceOp};
 use std::cell::Cell;
 use std::time::Duration;
 
@@ -820,6 +820,40 @@ fn v_variants_with_different_counts_arrays_fail_instead_of_corrupting() {
     for r in res {
         let e = r.unwrap().expect("must fail");
         assert!(e.contains("mismatch"), "{e}");
+    }
+}
+
+/// Counts whose sum overflows are refused by name on every v-variant, before anything is
+/// sent: `[1 << 63, 1 << 63]` wrapped to 0, passed the check against an empty buffer, and an
+/// in-place all-gather-v then panicked inside the shared-memory copy (2026-12-08).
+#[test]
+fn counts_whose_sum_overflows_are_refused() {
+    let huge = [1usize << 63, 1usize << 63];
+    for r in run_threads(2, T, |c| {
+        let mut empty: Vec<u8> = Vec::new();
+        let mut others = [1usize << 62; 2];
+        others[c.rank()] = 0;
+        let e = [
+            c.all_gather_v_bytes(None, &mut empty, &huge, DType::U8),
+            c.reduce_scatter_v_bytes(None, &mut empty, &huge, DType::U8, ReduceOp::Sum),
+            // This rank's own count must match its buffer (checked first): the other's
+            // alone overflows in bytes.
+            c.gather_v(&[0f64; 0], &mut [], &others, 0),
+            c.scatter_v(&[], &mut [0f64; 0], &others, 0),
+            c.all_to_all_v(&[0u8; 0], &huge, &mut empty, &[0, 0]),
+        ];
+        // The communicator is still usable: nothing was sent.
+        let mut v = [c.rank() as u8 + 1];
+        c.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v, [3]);
+        Ok(e.map(|r| r.expect_err("overflowing counts must fail").to_string()))
+    }) {
+        for e in r.unwrap() {
+            assert!(
+                e.contains("sum to more elements than any buffer can hold"),
+                "{e}"
+            );
+        }
     }
 }
 

@@ -31,6 +31,27 @@ impl Communicator {
         Error::invalid(op, 0, msg)
     }
 
+    /// The sum of the per-rank element counts `what`, refused when it (or its size in bytes)
+    /// overflows: a wrapped sum would pass the buffer checks (`[1 << 63, 1 << 63]` sums to 0).
+    fn counts_total(
+        &self,
+        op: &'static str,
+        what: &str,
+        counts: &[usize],
+        dtype: DType,
+    ) -> Result<usize> {
+        counts
+            .iter()
+            .try_fold(0usize, |t, &c| t.checked_add(c))
+            .filter(|t| t.checked_mul(dtype.size()).is_some())
+            .ok_or_else(|| {
+                self.bad(
+                    op,
+                    format!("the {what} sum to more elements than any buffer can hold"),
+                )
+            })
+    }
+
     pub(crate) fn check_len(
         &self,
         op: &'static str,
@@ -389,7 +410,7 @@ impl Communicator {
                 ),
             ));
         }
-        let total: usize = counts.iter().sum();
+        let total = self.counts_total(OP, "counts", counts, dtype)?;
         let rcount = self.check_len(OP, "recv buffer", recv, dtype)?;
         if rcount != total {
             return Err(self.bad(
@@ -535,7 +556,7 @@ impl Communicator {
                 ),
             ));
         }
-        let total: usize = counts.iter().sum();
+        let total = self.counts_total(OP, "counts", counts, dtype)?;
         match send {
             Some(s) => {
                 let sc = self.check_len(OP, "send buffer", s, dtype)?;
@@ -919,7 +940,7 @@ impl Communicator {
                 ),
             ));
         }
-        let total: usize = counts.iter().sum();
+        let total = self.counts_total(OP, "counts", counts, dtype)?;
         if me == root && recv.len() != total * dtype.size() {
             return Err(self.bad(
                 OP,
@@ -1002,7 +1023,7 @@ impl Communicator {
                 ),
             ));
         }
-        let total: usize = counts.iter().sum();
+        let total = self.counts_total(OP, "counts", counts, dtype)?;
         if me == root && send.len() != total * dtype.size() {
             return Err(self.bad(
                 OP,
@@ -1118,7 +1139,9 @@ impl Communicator {
         }
         let sc = self.check_len(OP, "send buffer", send, dtype)?;
         let rc = self.check_len(OP, "recv buffer", recv, dtype)?;
-        if sc != send_counts.iter().sum::<usize>() || rc != recv_counts.iter().sum::<usize>() {
+        if sc != self.counts_total(OP, "send_counts", send_counts, dtype)?
+            || rc != self.counts_total(OP, "recv_counts", recv_counts, dtype)?
+        {
             return Err(self.bad(OP, format!("send buffer ({sc}) / recv buffer ({rc}) do not match the sums of send_counts / recv_counts")));
         }
         if send_counts[me] != recv_counts[me] {

@@ -178,6 +178,22 @@ struct Flight {
     next_key: u64,
 }
 
+/// A flight dropped with messages still active is a progress loop that panicked (it ends
+/// normally only once every message is finished): their operations fail rather than leave
+/// their `Work`s waiting for ever.
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if self.active.is_empty() {
+            return;
+        }
+        let e = Error::Panicked {
+            op: "send/recv",
+            msg: "the point-to-point progress loop stopped (a bug in hcomm)".into(),
+        };
+        self.fail_all(&e);
+    }
+}
+
 fn size_err(ctx: &OpContext, peer: usize, tag: u32, msg: String) -> Error {
     Error::SizeMismatch {
         ctx: ctx.clone(),
@@ -578,7 +594,24 @@ impl Communicator {
     /// Queue the progress loop (its turn comes after every operation issued before).
     fn start_progress_loop(self: &Arc<Self>) {
         let comm = self.clone();
-        let job = Box::new(move || comm.drive_posted());
+        let job = Box::new(move || {
+            // A panic (a bug) must not leave the engine thread dead and every posted message
+            // and later call waiting: the communicator is poisoned, the messages the loop
+            // carried failed (by `Flight`'s drop), and those posted since refused.
+            let run = std::panic::AssertUnwindSafe(|| comm.drive_posted());
+            if let Err(p) = std::panic::catch_unwind(run) {
+                let e = Error::Panicked {
+                    op: "send/recv",
+                    msg: crate::engine::panic_message(&*p),
+                };
+                comm.fail_with(&e);
+                while let Some(new) = comm.posted.take(true) {
+                    for m in new {
+                        (m.finish)(Err(e.clone()));
+                    }
+                }
+            }
+        });
         if let Err(e) = self.engine().submit(self.id(), job) {
             // No engine thread: nothing posted can be carried.
             while let Some(new) = self.posted.take(true) {
