@@ -181,6 +181,48 @@ fn detail_suffix(d: &str) -> String {
     }
 }
 
+/// `text` with every rank number it names ("rank 3", "rank(s) [1, 2]", "ranks [0, 1]") put
+/// through `map`: hcomm's messages name ranks in these forms only.
+fn renumber_ranks(text: &str, map: &dyn Fn(usize) -> usize) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("rank") {
+        let (before, from) = rest.split_at(at);
+        out.push_str(before);
+        let prefix = ["rank(s) [", "ranks [", "rank "]
+            .into_iter()
+            .find(|p| from.starts_with(p));
+        let Some(prefix) = prefix else {
+            out.push_str("rank");
+            rest = &from[4..];
+            continue;
+        };
+        out.push_str(prefix);
+        let mut tail = &from[prefix.len()..];
+        let list = prefix.ends_with('[');
+        loop {
+            let digits = tail.len() - tail.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            if digits == 0 {
+                break;
+            }
+            match tail[..digits].parse::<usize>() {
+                Ok(r) => out.push_str(&map(r).to_string()),
+                Err(_) => out.push_str(&tail[..digits]),
+            }
+            tail = &tail[digits..];
+            if list && tail.starts_with(", ") {
+                out.push_str(", ");
+                tail = &tail[2..];
+            } else {
+                break;
+            }
+        }
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
+}
+
 fn peer_suffix(p: &Option<usize>) -> String {
     match p {
         Some(p) => format!(" with rank {p}"),
@@ -233,6 +275,123 @@ impl Error {
             Error::Aborted { .. } => (None, AbortReason::Aborted),
             Error::Revoked { by, .. } => (Some(*by), AbortReason::Revoked),
             _ => (None, AbortReason::Other),
+        }
+    }
+
+    /// [`blame`](Self::blame) in the numbers of an internal sub-communicator whose rank `i`
+    /// is this communicator's rank `ranks[i]`, to relay this failure to it: a culprit outside
+    /// it is sent as `ranks.len() + p` (see [`lifted`](Self::lifted)).
+    pub(crate) fn blame_in(&self, ranks: &[usize]) -> (Option<usize>, AbortReason) {
+        let (culprit, reason) = self.blame();
+        let sub = culprit.map(|p| {
+            ranks
+                .iter()
+                .position(|&r| r == p)
+                .unwrap_or(ranks.len() + p)
+        });
+        (sub, reason)
+    }
+
+    /// This error of an internal sub-communicator (rank `i` of it is rank `ranks[i]` here)
+    /// as an error of this communicator's operation `ctx`: every rank it names, in its fields
+    /// and its text, in this communicator's numbers (a culprit `ranks.len() + p` is rank `p`,
+    /// relayed by [`blame_in`](Self::blame_in)), and its text saying which inner step failed,
+    /// among which ranks (`among` says who they are).
+    pub(crate) fn lifted(self, ctx: &OpContext, ranks: &[usize], among: &str) -> Error {
+        let n = ranks.len();
+        let map = |r: usize| if r < n { ranks[r] } else { r - n };
+        let step = |inner: &OpContext| {
+            format!(
+                "in its step {} (seq {}) among {among} {ranks:?}",
+                inner.op, inner.seq
+            )
+        };
+        let text = |t: &str, inner: &OpContext| {
+            let t = renumber_ranks(t, &map);
+            if t.is_empty() {
+                step(inner)
+            } else {
+                format!("{t}; {}", step(inner))
+            }
+        };
+        let c = ctx.clone();
+        match self {
+            Error::InvalidArgument { ctx: i, msg } => Error::InvalidArgument {
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Timeout {
+                ctx: i,
+                peers,
+                after,
+                detail,
+            } => Error::Timeout {
+                peers: peers.into_iter().map(map).collect(),
+                after,
+                detail: text(&detail, &i),
+                ctx: c,
+            },
+            Error::PeerClosed {
+                ctx: i,
+                peer,
+                detail,
+            } => Error::PeerClosed {
+                peer: map(peer),
+                detail: text(&detail, &i),
+                ctx: c,
+            },
+            Error::Mismatch { ctx: i, peer, msg } => Error::Mismatch {
+                peer: map(peer),
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::SizeMismatch {
+                ctx: i,
+                peer,
+                tag,
+                msg,
+            } => Error::SizeMismatch {
+                peer: map(peer),
+                tag,
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Remote {
+                ctx: i,
+                peer,
+                culprit,
+                msg,
+            } => Error::Remote {
+                peer: map(peer),
+                culprit: culprit.map(map),
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Protocol { ctx: i, peer, msg } => Error::Protocol {
+                peer: map(peer),
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Io { ctx: i, peer, msg } => Error::Io {
+                peer: peer.map(map),
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Auth { ctx: i, peer, msg } => Error::Auth {
+                peer: peer.map(map),
+                msg: text(&msg, &i),
+                ctx: c,
+            },
+            Error::Poisoned { ctx: _, first } => Error::Poisoned {
+                first: renumber_ranks(&first, &map),
+                ctx: c,
+            },
+            Error::Aborted { .. } => Error::Aborted { ctx: c },
+            Error::Revoked { by, .. } => Error::Revoked {
+                by: map(by),
+                ctx: c,
+            },
+            e => e,
         }
     }
 
@@ -366,6 +525,84 @@ mod tests {
             Error::Remote { culprit, msg, .. } => (culprit, msg),
             e => panic!("not a remote error: {e}"),
         }
+    }
+
+    #[test]
+    fn an_error_of_a_sub_communicator_names_the_parents_ranks_and_operation() {
+        let inner = OpContext {
+            op: "all_gather",
+            seq: 21,
+        };
+        let outer = OpContext {
+            op: "all_reduce",
+            seq: 32,
+        };
+        // The ranks [1, 3] of the parent: 0 is 1, 1 is 3, and 2 + p relays the parent's p.
+        let ranks = [1, 3];
+        let e = Error::PeerClosed {
+            ctx: inner.clone(),
+            peer: 1,
+            detail: "its process is gone (shared memory)".into(),
+        }
+        .lifted(&outer, &ranks, "the ranks of this host");
+        assert_eq!(
+            e.to_string(),
+            "all_reduce (seq 32): rank 3 closed the connection (process exited or failed) \
+             (its process is gone (shared memory); in its step all_gather (seq 21) among the \
+             ranks of this host [1, 3])"
+        );
+        let e = Error::Timeout {
+            ctx: inner.clone(),
+            peers: vec![0, 1],
+            after: Duration::from_secs(5),
+            detail: "shared memory: rank 1 did not arrive (at 0 of 1); ranks [0, 1] and rank(s) [1] late".into(),
+        }
+        .lifted(&outer, &ranks, "hosts");
+        match &e {
+            Error::Timeout { peers, detail, .. } => {
+                assert_eq!(peers, &[1, 3]);
+                assert!(
+                    detail.starts_with(
+                        "shared memory: rank 3 did not arrive (at 0 of 1); ranks [1, 3] and \
+                         rank(s) [3] late; in its step all_gather"
+                    ),
+                    "{detail}"
+                );
+            }
+            e => panic!("{e}"),
+        }
+        // A culprit relayed from outside the sub-communicator (rank 2 of the parent).
+        let (culprit, reason) = Error::PeerClosed {
+            ctx: outer.clone(),
+            peer: 2,
+            detail: String::new(),
+        }
+        .blame_in(&ranks);
+        assert_eq!(culprit, Some(4));
+        let e = reason
+            .remote_error(inner.clone(), 0, culprit, 1, None)
+            .lifted(&outer, &ranks, "hosts");
+        match &e {
+            Error::Remote {
+                peer, culprit, msg, ..
+            } => {
+                assert_eq!((*peer, *culprit), (1, Some(2)));
+                assert!(
+                    msg.starts_with("rank 2 died or closed its connection; this communicator"),
+                    "{msg}"
+                );
+            }
+            e => panic!("{e}"),
+        }
+        let e = Error::Revoked { ctx: inner, by: 0 }.lifted(&outer, &ranks, "hosts");
+        assert!(
+            matches!(e, Error::Revoked { by: 1, ref ctx } if ctx.seq == 32),
+            "{e}"
+        );
+        assert_eq!(
+            renumber_ranks("ranks ranking rank x rank 10", &|r| r + 1),
+            "ranks ranking rank x rank 11"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::algo::{basic, canonical, gather_cache, ring, skip_zeros, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
-use crate::base::error::{Error, Result};
+use crate::base::error::{Error, OpContext, Result};
 use crate::base::integer_mean;
 use crate::base::reduce::finalize_mean;
 use crate::base::segments::{count_segments, even_segments};
@@ -203,22 +203,24 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.on_hierarchy("all_reduce", buf, dtype, op, |h, buf, inner_op| {
+        self.on_hierarchy("all_reduce", buf, dtype, op, |h, ctx, buf, inner_op| {
             let es = dtype.size();
             let (l, me) = (h.within.world_size(), h.within.rank());
             let segs = even_segments(buf.len() / es, l, es);
             let counts: Vec<usize> = segs.iter().map(|s| s.len() / es).collect();
             let mine = segs[me].clone();
             canonical::with_host_parts(mine.len() * l, |gathered| {
-                h.within
-                    .all_to_all_v_bytes(buf, &counts, gathered, &vec![counts[me]; l], dtype)?;
+                h.in_host(ctx, |c| {
+                    c.all_to_all_v_bytes(buf, &counts, gathered, &vec![counts[me]; l], dtype)
+                })?;
                 let parts: Vec<&[u8]> = (0..l)
                     .map(|r| &gathered[r * mine.len()..(r + 1) * mine.len()])
                     .collect();
-                h.across
-                    .host_chain_bytes(&parts, &mut buf[mine.clone()], dtype, inner_op)
+                h.across_hosts(ctx, |c| {
+                    c.host_chain_bytes(&parts, &mut buf[mine.clone()], dtype, inner_op)
+                })
             })?;
-            h.within.all_gather_v_bytes(None, buf, &counts, dtype)
+            h.in_host(ctx, |c| c.all_gather_v_bytes(None, buf, &counts, dtype))
         })
     }
 
@@ -255,16 +257,17 @@ impl Communicator {
         op: ReduceOp,
         across: impl FnOnce(&Communicator, &mut [u8], ReduceOp) -> Result<()>,
     ) -> Result<()> {
-        self.on_hierarchy(op_name, buf, dtype, op, |h, buf, inner_op| {
+        self.on_hierarchy(op_name, buf, dtype, op, |h, ctx, buf, inner_op| {
             let l = h.within.world_size();
             let count = buf.len() / dtype.size();
             let segs = even_segments(count, l, dtype.size());
             let counts: Vec<usize> = segs.iter().map(|s| s.len() / dtype.size()).collect();
             let mine = segs[h.within.rank()].clone();
-            h.within
-                .reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)?;
-            across(&h.across, &mut buf[mine], inner_op)?;
-            h.within.all_gather_v_bytes(None, buf, &counts, dtype)
+            h.in_host(ctx, |c| {
+                c.reduce_scatter_v_bytes(None, buf, &counts, dtype, inner_op)
+            })?;
+            h.across_hosts(ctx, |c| across(c, &mut buf[mine], inner_op))?;
+            h.in_host(ctx, |c| c.all_gather_v_bytes(None, buf, &counts, dtype))
         })
     }
 
@@ -277,7 +280,7 @@ impl Communicator {
         buf: &mut [u8],
         dtype: DType,
         op: ReduceOp,
-        body: impl FnOnce(&Hierarchy, &mut [u8], ReduceOp) -> Result<()>,
+        body: impl FnOnce(&Hierarchy, &OpContext, &mut [u8], ReduceOp) -> Result<()>,
     ) -> Result<()> {
         // Called in this operation's turn (see `all_reduce_bytes`): the sub-communicators are
         // made (collective splits of this communicator) inside it, so they happen at the same
@@ -293,11 +296,10 @@ impl Communicator {
         // waits for this one in a sub-communicator, whichever failed.
         let tell = |e: &Error| {
             if e.is_fatal() {
-                h.within.fail_with(e);
-                h.across.fail_with(e);
+                h.fail_with(e);
             }
         };
-        let (mut inner, _ctx) = self.lock(op_name).inspect_err(tell)?;
+        let (mut inner, ctx) = self.lock(op_name).inspect_err(tell)?;
         let result = (|| {
             for c in [&h.within, &h.across] {
                 c.set_timeout(self.timeout());
@@ -307,7 +309,7 @@ impl Communicator {
             } else {
                 op
             };
-            body(&h, buf, inner_op)?;
+            body(&h, &ctx, buf, inner_op)?;
             if op == ReduceOp::Mean {
                 finalize_mean(dtype, buf, self.world_size());
             }

@@ -422,7 +422,7 @@ impl Communicator {
         if let Some(h) = guard.as_ref() {
             return Ok(h.clone());
         }
-        let (host, local, _) = self
+        let (host, local, ranks_per_host) = self
             .hierarchical_layout()
             .ok_or_else(|| Error::invalid("all_reduce", 0, "no hierarchical layout"))?;
         let mut within = self
@@ -434,7 +434,13 @@ impl Communicator {
         // Internal communicators: the fault-injection hook applies to the user's calls only.
         within.corrupt_results = false;
         across.corrupt_results = false;
-        let h = Arc::new(Hierarchy { within, across });
+        let (hosts, per_host) = (self.size / ranks_per_host, ranks_per_host);
+        let h = Arc::new(Hierarchy {
+            within,
+            within_ranks: (host * per_host..(host + 1) * per_host).collect(),
+            across,
+            across_ranks: (0..hosts).map(|h| h * per_host + local).collect(),
+        });
         *guard = Some(h.clone());
         Ok(h)
     }
@@ -940,13 +946,26 @@ impl Communicator {
     /// (without the grace period: the operation that failed had it). Nothing when it is
     /// poisoned already.
     pub(crate) fn fail_with(&self, e: &Error) {
+        self.fail_blaming(e, e.blame());
+    }
+
+    /// [`fail_with`](Self::fail_with) for an error of the parent communicator, whose rank
+    /// `parent_ranks[i]` is this one's rank `i` (see [`Error::blame_in`]).
+    pub(crate) fn fail_with_parents(&self, e: &Error, parent_ranks: &[usize]) {
+        self.fail_blaming(e, e.blame_in(parent_ranks));
+    }
+
+    fn fail_blaming(
+        &self,
+        e: &Error,
+        (culprit, reason): (Option<usize>, crate::base::error::AbortReason),
+    ) {
         let _turn = self.engine.turns.enter();
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if inner.poisoned.is_some() {
             return;
         }
         inner.poisoned = Some(e.to_string());
-        let (culprit, reason) = e.blame();
         let seq = inner.seq;
         inner.links.send_abort(seq, culprit, reason as u8);
         if let Some(shm) = inner.shm.as_ref() {
@@ -1206,6 +1225,44 @@ impl Communicator {
 pub(crate) struct Hierarchy {
     /// The ranks of this host (shared memory).
     pub within: Communicator,
+    /// The parent's ranks of `within`, in its order.
+    pub within_ranks: Vec<usize>,
     /// The ranks with this rank's index on every host (TCP).
     pub across: Communicator,
+    /// The parent's ranks of `across`, in its order.
+    pub across_ranks: Vec<usize>,
+}
+
+impl Hierarchy {
+    /// `f` on the communicator of this host's ranks, its error as one of the parent's
+    /// operation `ctx` (the parent's rank numbers; see [`Error::lifted`]).
+    pub fn in_host<T>(
+        &self,
+        ctx: &OpContext,
+        f: impl FnOnce(&Communicator) -> Result<T>,
+    ) -> Result<T> {
+        f(&self.within).map_err(|e| e.lifted(ctx, &self.within_ranks, "the ranks of this host"))
+    }
+
+    /// [`in_host`](Self::in_host) for the communicator of the same-index ranks of every host.
+    pub fn across_hosts<T>(
+        &self,
+        ctx: &OpContext,
+        f: impl FnOnce(&Communicator) -> Result<T>,
+    ) -> Result<T> {
+        f(&self.across).map_err(|e| {
+            e.lifted(
+                ctx,
+                &self.across_ranks,
+                "the ranks with this rank's index on each host",
+            )
+        })
+    }
+
+    /// Fail both sub-communicators because the parent's operation failed with `e`, so that
+    /// no rank waits for this one in either (blame in each one's numbers).
+    pub fn fail_with(&self, e: &Error) {
+        self.within.fail_with_parents(e, &self.within_ranks);
+        self.across.fail_with_parents(e, &self.across_ranks);
+    }
 }
