@@ -682,7 +682,17 @@ impl StoreClient {
                 }
             };
             for a in &addrs {
-                match TcpStream::connect_timeout(a, Duration::from_secs(2)) {
+                // At most 2 s an attempt, and none past the notice or the deadline (a dropped
+                // SYN would otherwise hold either up by a whole attempt).
+                let next = if told {
+                    timeout
+                } else {
+                    STILL_TRYING_NOTICE.min(timeout / 2)
+                };
+                let attempt = next
+                    .saturating_sub(start.elapsed())
+                    .clamp(Duration::from_millis(10), Duration::from_secs(2));
+                match TcpStream::connect_timeout(a, attempt) {
                     Ok(mut conn) => {
                         conn.set_nodelay(true)?;
                         let left = timeout.saturating_sub(start.elapsed());

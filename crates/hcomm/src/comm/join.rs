@@ -178,6 +178,17 @@ pub(super) fn compute_hierarchical_layout(
 /// error, anything else a configuration one.
 pub(super) fn store_connect_error(prefix: &str, e: StoreError) -> Error {
     match e {
+        // A timeout waiting for rank 0, which hosts the store (a network outage as much as a
+        // wrong address): `TimeoutError` to a program that retries, not a configuration error.
+        StoreError::Unreachable { after, .. } => Error::Timeout {
+            ctx: OpContext {
+                op: "bootstrap",
+                seq: 0,
+            },
+            peers: vec![0],
+            after,
+            detail: format!("{prefix}{e}"),
+        },
         StoreError::Handshake { .. } => Error::Auth {
             ctx: OpContext {
                 op: "bootstrap",
@@ -202,6 +213,27 @@ mod tests {
 
     fn all(hosts: &[&str]) -> Vec<Option<(usize, usize, usize)>> {
         (0..hosts.len()).map(|r| layout(hosts, r)).collect()
+    }
+
+    #[test]
+    fn an_unreachable_store_is_a_timeout_waiting_for_rank_0() {
+        let e = store_connect_error(
+            "rank 1: ",
+            StoreError::Unreachable {
+                addr: "10.0.0.1:29500".into(),
+                after: Duration::from_secs(6),
+                last: "connection timed out".into(),
+            },
+        );
+        assert!(e.is_timeout(), "{e}");
+        assert!(crate::testing::names_rank(&e, 0), "{e}");
+        assert!(
+            e.to_string().contains(
+                "rank 1: cannot reach the rendezvous store at 10.0.0.1:29500 within 6s: \
+                 connection timed out"
+            ),
+            "{e}"
+        );
     }
 
     #[test]
