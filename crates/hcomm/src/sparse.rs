@@ -313,6 +313,19 @@ impl Communicator {
             self.all_reduce_bytes(None, buf, dtype, op)?;
             return Ok(false);
         }
+        if op == ReduceOp::Mean && self.means_in_f32(dtype) {
+            // As the dense all-reduce: f16/bf16 summed in f32, divided, rounded once.
+            let mut sums = crate::base::half_mean::widen(dtype, buf);
+            let sparse = Self::canonically(|| {
+                self.all_reduce_skipping_zeros_bytes(
+                    bytemuck::cast_slice_mut(&mut sums),
+                    DType::F32,
+                    ReduceOp::Sum,
+                )
+            })?;
+            crate::base::half_mean::narrow_mean(dtype, &sums, n, buf);
+            return Ok(sparse);
+        }
         let _turn = self.engine().turns.enter();
         let _traffic = TrafficScope::enter(self, SKIP_OP);
         // the sparse path pays while the ranks' non-zero blocks together are at most

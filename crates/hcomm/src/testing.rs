@@ -354,7 +354,7 @@ fn encode_rounded(dtype: DType, vals: &[f64]) -> Vec<u8> {
 /// The canonical expression of deterministic mode, computed plainly, one element at a time:
 /// rank 0's element, combined with rank 1's, then rank 2's, … in rank order; f32 and f64 in
 /// their own precision, f16 and bf16 widened to f32 and rounded once at the end; `Mean` is the
-/// rounded sum divided by `n` (in f32 for the 16-bit floats) and rounded again. Inputs are
+/// sum divided by `n` in that precision (f32 for the 16-bit floats), then rounded once. Inputs are
 /// [`random_input`]'s. Integer types: [`reference()`] (exact).
 pub fn canonical_reference(
     dtype: DType,
@@ -405,19 +405,16 @@ pub fn canonical_reference(
                         }
                         out.extend_from_slice(&acc.to_le_bytes());
                     }
-                    DType::F16 => {
-                        let mut h = f16::from_f32(acc);
-                        if op == ReduceOp::Mean {
-                            h = f16::from_f32(h.to_f32() / n as f32);
-                        }
-                        out.extend_from_slice(&h.to_le_bytes());
-                    }
                     _ => {
-                        let mut h = bf16::from_f32(acc);
+                        // f16, bf16: the mean is divided in f32 and rounded once, as the sum is.
                         if op == ReduceOp::Mean {
-                            h = bf16::from_f32(h.to_f32() / n as f32);
+                            acc /= n as f32;
                         }
-                        out.extend_from_slice(&h.to_le_bytes());
+                        if dtype == DType::F16 {
+                            out.extend_from_slice(&f16::from_f32(acc).to_le_bytes());
+                        } else {
+                            out.extend_from_slice(&bf16::from_f32(acc).to_le_bytes());
+                        }
                     }
                 }
             }

@@ -6,6 +6,7 @@
 pub mod deadline;
 pub mod dtype;
 pub mod error;
+pub mod half_mean;
 pub mod ids;
 pub mod integer_mean;
 pub mod reduce;

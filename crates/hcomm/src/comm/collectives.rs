@@ -7,9 +7,9 @@
 use crate::algo::{basic, canonical, gather_cache, ring, skip_zeros, tree};
 use crate::base::dtype::{DType, Element, ReduceOp};
 use crate::base::error::{Error, OpContext, Result};
-use crate::base::integer_mean;
 use crate::base::reduce::finalize_mean;
 use crate::base::segments::{count_segments, even_segments};
+use crate::base::{half_mean, integer_mean};
 use crate::comm::{Communicator, Hierarchy};
 use crate::wire::collective::{Algo, Collective};
 
@@ -111,6 +111,13 @@ impl Communicator {
             let mut lanes = integer_mean::widen(dtype, send.unwrap_or(recv));
             self.all_reduce_in_place(&mut lanes, ReduceOp::Sum)?;
             integer_mean::narrow_mean(dtype, &lanes, n, recv);
+            return Ok(());
+        }
+        if op == ReduceOp::Mean && n > 1 && self.means_in_f32(dtype) {
+            // f16/bf16 accumulated in f32: summed in f32, divided and rounded once.
+            let mut sums = half_mean::widen(dtype, send.unwrap_or(recv));
+            Self::canonically(|| self.all_reduce_in_place(&mut sums, ReduceOp::Sum))?;
+            half_mean::narrow_mean(dtype, &sums, n, recv);
             return Ok(());
         }
         // The algorithm is read in this operation's turn, after every operation issued before
@@ -609,6 +616,24 @@ impl Communicator {
                 integer_mean::narrow_mean(dtype, &mine, n, out);
                 return Ok(());
             }
+            if self.means_in_f32(dtype) {
+                // As in `all_reduce_bytes`: f16/bf16 summed in f32, divided, rounded once.
+                let sums = half_mean::widen(dtype, send.unwrap_or(recv));
+                let mut mine = vec![0f32; counts[me]];
+                Self::canonically(|| {
+                    self.reduce_scatter_v(&sums, &mut mine, counts, ReduceOp::Sum)
+                })?;
+                let size = dtype.size();
+                let out = match send {
+                    Some(_) => &mut recv[..],
+                    None => {
+                        let start = counts[..me].iter().sum::<usize>() * size;
+                        &mut recv[start..start + counts[me] * size]
+                    }
+                };
+                half_mean::narrow_mean(dtype, &mine, n, out);
+                return Ok(());
+            }
         }
         let uniform = counts.iter().all(|&c| c == counts[0]);
         let fp_count = if uniform { counts[0] } else { total };
@@ -818,6 +843,15 @@ impl Communicator {
             self.reduce_in_place(&mut lanes, ReduceOp::Sum, root)?;
             if me == root {
                 integer_mean::narrow_mean(dtype, &lanes, n, recv);
+            }
+            return Ok(());
+        }
+        if op == ReduceOp::Mean && n > 1 && self.means_in_f32(dtype) {
+            // As in `all_reduce_bytes`: f16/bf16 summed in f32, divided, rounded once.
+            let mut sums = half_mean::widen(dtype, send.unwrap_or(recv));
+            Self::canonically(|| self.reduce_in_place(&mut sums, ReduceOp::Sum, root))?;
+            if me == root {
+                half_mean::narrow_mean(dtype, &sums, n, recv);
             }
             return Ok(());
         }

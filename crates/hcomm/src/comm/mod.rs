@@ -648,7 +648,28 @@ impl Communicator {
     /// for f16 and bf16 when they accumulate in f32.
     fn canonical_for(&self, dtype: Option<DType>) -> bool {
         self.is_deterministic()
+            || CANONICAL_HERE.with(|c| c.get())
             || (self.accumulates_f32() && matches!(dtype, Some(DType::F16 | DType::BF16)))
+    }
+
+    /// Whether the reductions of `dtype` accumulate 16-bit floats in f32 here (their mean is
+    /// then [`crate::base::half_mean`]'s).
+    pub(crate) fn means_in_f32(&self, dtype: DType) -> bool {
+        crate::base::half_mean::applies(dtype) && self.canonical_for(Some(dtype))
+    }
+
+    /// Run `f` (reductions of this thread) on the canonical schedules, whatever the dtype:
+    /// the f32 sums of [`crate::base::half_mean`] stay the rank-order fold that f16 and bf16
+    /// get with `HCOMM_ACCUMULATE=f32` alone.
+    pub(crate) fn canonically<R>(f: impl FnOnce() -> R) -> R {
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CANONICAL_HERE.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(CANONICAL_HERE.with(|c| c.replace(true)));
+        f()
     }
 
     /// Force an algorithm for a collective (`Algo::Auto` restores automatic choice). Takes
@@ -1219,6 +1240,11 @@ impl Communicator {
     fn peek_seq(&self) -> u64 {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).seq
     }
+}
+
+thread_local! {
+    /// Set by [`Communicator::canonically`] while its reductions run on this thread.
+    static CANONICAL_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Sub-communicators of the hierarchical all-reduce.
