@@ -108,7 +108,7 @@ impl History {
         }
         if let Error::Timeout { peers, .. } = e {
             s.push_str(&format!(
-                "\n  rank(s) {peers:?} did not take part in {} (seq {}): they are behind, stopped, or called another operation",
+                "\n  rank(s) {peers:?} did not do their part of {} (seq {}) in time: they are behind, stopped or dead, called another operation, or the network to them is down or slow",
                 ctx.op, ctx.seq
             ));
         }
@@ -147,7 +147,7 @@ mod tests {
         assert!(report.contains("rank 3"), "{report}");
         assert!(report.contains("all_reduce (seq 19)"), "{report}");
         assert!(
-            report.contains("rank(s) [2] did not take part in broadcast (seq 20)"),
+            report.contains("rank(s) [2] did not do their part of broadcast (seq 20) in time"),
             "{report}"
         );
         assert_eq!(h.records().last().unwrap().op, "broadcast");

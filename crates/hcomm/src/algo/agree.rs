@@ -3,10 +3,16 @@
 //!
 //! It runs over a [`Mesh`] (messages between any two ranks that outlive the communicator's
 //! links) and assumes crash failures: a rank is declared gone only when the mesh says so
-//! ([`MeshEvent::Gone`]: its process exited, so its connections were refused or closed) or,
-//! by the coordinator only, when it stays silent for the whole timeout. No rank in particular
-//! needs to be alive: the coordinator is the lowest rank not known to be gone, and its place
-//! passes on when it dies.
+//! ([`MeshEvent::Gone`]: its process exited, so its connections were refused or closed;
+//! [`MeshEvent::Unreachable`]: it cannot be reached at all) or, by the coordinator only, when
+//! it stays silent for the whole timeout. No rank in particular needs to be alive: the
+//! coordinator is the lowest rank not known to be gone, and its place passes on when it dies.
+//!
+//! A rank that is unreachable or silent may be alive across a network partition, running
+//! this agreement with the ranks it can reach. So the coordinator decides only when the
+//! survivors are more than half of the ranks not known to have exited, or exactly half
+//! including the lowest of them; otherwise it tells the survivors `Minority` and nobody on
+//! that side decides. Each side counts the same ranks, so at most one side goes on.
 //!
 //! The protocol (a rotating coordinator over the union of what everyone knows):
 //!
@@ -39,6 +45,8 @@ use std::time::{Duration, Instant};
 
 const PROPOSE: u8 = 1;
 const DECIDE: u8 = 2;
+/// The coordinator's verdict that the ranks it can reach are not a majority: nobody decides.
+const MINORITY: u8 = 3;
 
 /// The outcome every surviving rank agrees on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,6 +75,19 @@ pub enum AgreeError {
         /// The rank that decided, when known.
         by: Option<usize>,
     },
+    /// The ranks that can reach each other are not a majority of the ranks that may still
+    /// be alive: the others may be going on without them (a network partition), so these
+    /// stop rather than form a second communicator.
+    #[error("only ranks {reachable:?} can reach each other; ranks {unreachable:?} cannot be reached but are not known to have exited (a network partition, a dead host or stopped processes), and may be going on without these: fewer than half of the {alive} ranks that may be alive, or half without the lowest of them, do not go on (drop the others explicitly with shrink_excluding if they are known to be gone)")]
+    Minority {
+        /// The ranks that could reach each other.
+        reachable: Vec<usize>,
+        /// The ranks dropped for being unreachable or silent, not known to have exited.
+        unreachable: Vec<usize>,
+        /// How many ranks may be alive (all but those known to have exited or dropped on
+        /// purpose).
+        alive: usize,
+    },
     /// The coordinator is alive (its connections stay open) but did not decide in time.
     #[error("rank {coordinator} (the agreement's coordinator) stayed silent for {after:?}; it may be stopped: drop it explicitly")]
     CoordinatorSilent {
@@ -81,6 +102,9 @@ pub enum AgreeError {
 #[derive(Debug)]
 pub struct Agreement {
     dead: BTreeSet<usize>,
+    /// The ranks of `dead` known to have exited (or dropped on purpose); the others were
+    /// unreachable or silent, and may be alive on the other side of a partition.
+    exited: BTreeSet<usize>,
     /// Ranks whose proposal this rank holds (valid until a decision is sent).
     proposed: BTreeSet<usize>,
     /// (coordinator, size of `dead`) of the last proposal sent.
@@ -90,16 +114,47 @@ pub struct Agreement {
 impl Agreement {
     /// Start with the ranks this rank knows are gone (or wants dropped).
     pub fn new(known_dead: impl IntoIterator<Item = usize>) -> Agreement {
+        let dead: BTreeSet<usize> = known_dead.into_iter().collect();
         Agreement {
-            dead: known_dead.into_iter().collect(),
+            exited: dead.clone(),
+            dead,
             proposed: BTreeSet::new(),
             sent: None,
         }
     }
 
-    /// Add a rank found gone since (the coordinator of a decision whose store refused us).
+    /// Add a rank found gone since (the coordinator of a decision whose store refused us;
+    /// whether it exited, the mesh tells).
     pub fn add_dead(&mut self, rank: usize) {
         self.dead.insert(rank);
+    }
+
+    /// Take in a mesh event about a rank: gone (exited) or unreachable.
+    fn lost(&mut self, rank: usize, exited: bool) {
+        self.dead.insert(rank);
+        if exited {
+            self.exited.insert(rank);
+        }
+    }
+
+    /// The ranks that may be alive (all but those known to have exited) and the survivors:
+    /// `Some(error)` unless the survivors are more than half of them, or exactly half with
+    /// the lowest of them. Both sides of a partition find the same two sets, so at most one
+    /// goes on; a killed rank's closed connections mark it exited, so deaths alone never
+    /// stop the survivors.
+    fn minority(&self, n: usize) -> Option<AgreeError> {
+        let alive: Vec<usize> = (0..n).filter(|r| !self.exited.contains(r)).collect();
+        let survivors = (0..n).filter(|r| !self.dead.contains(r)).count();
+        let half_with_lowest =
+            2 * survivors == alive.len() && alive.first().is_some_and(|r| !self.dead.contains(r));
+        if 2 * survivors > alive.len() || half_with_lowest {
+            return None;
+        }
+        Some(AgreeError::Minority {
+            reachable: (0..n).filter(|r| !self.dead.contains(r)).collect(),
+            unreachable: self.dead.difference(&self.exited).copied().collect(),
+            alive: alive.len(),
+        })
     }
 
     /// The ranks known to be gone now.
@@ -144,7 +199,17 @@ impl Agreement {
                     if self.drain(mesh) {
                         continue;
                     }
-                    let msg = encode(DECIDE, n, &self.dead, payload);
+                    if let Some(e) = self.minority(n) {
+                        // Tell the survivors why nobody decides (they would wait for the
+                        // whole timeout otherwise).
+                        let msg = encode(MINORITY, n, &self.dead, &self.exited, &[]);
+                        for r in (0..n).filter(|&r| r != me && !self.dead.contains(&r)) {
+                            let _ = mesh.send(r, &msg);
+                        }
+                        tracing::warn!("agreement: {e}");
+                        return Err(e);
+                    }
+                    let msg = encode(DECIDE, n, &self.dead, &self.exited, payload);
                     for r in (0..n).filter(|&r| r != me) {
                         // A survivor that is gone by now cannot take it; the new
                         // communicator's setup finds that out (see the module doc). The
@@ -170,7 +235,7 @@ impl Agreement {
                 }
             } else {
                 if self.sent != Some((coordinator, self.dead.len())) {
-                    let msg = encode(PROPOSE, n, &self.dead, &[]);
+                    let msg = encode(PROPOSE, n, &self.dead, &self.exited, &[]);
                     if !mesh.send(coordinator, &msg) {
                         self.dead.insert(coordinator);
                         continue;
@@ -186,9 +251,8 @@ impl Agreement {
             }
             match mesh.next(deadline) {
                 MeshEvent::Timeout => {}
-                MeshEvent::Gone(r) => {
-                    self.dead.insert(r);
-                }
+                MeshEvent::Gone(r) => self.lost(r, true),
+                MeshEvent::Unreachable(r) => self.lost(r, false),
                 MeshEvent::Message { from, bytes } => {
                     if let Some(d) = self.take(me, n, coordinator, from, &bytes)? {
                         return Ok(d);
@@ -204,15 +268,15 @@ impl Agreement {
         loop {
             match mesh.next(Instant::now()) {
                 MeshEvent::Timeout => break,
-                MeshEvent::Gone(r) => {
-                    self.dead.insert(r);
-                }
+                MeshEvent::Gone(r) => self.lost(r, true),
+                MeshEvent::Unreachable(r) => self.lost(r, false),
                 MeshEvent::Message { from, bytes } => {
                     // Only proposals can reach the coordinator; a decision from a lower rank
                     // would mean this rank is not the coordinator after all: handled next turn.
-                    if let Some((PROPOSE, dead, _)) = decode(mesh.size(), &bytes) {
+                    if let Some((PROPOSE, dead, exited, _)) = decode(mesh.size(), &bytes) {
                         if !self.dead.contains(&from) {
                             self.dead.extend(dead);
+                            self.exited.extend(exited);
                             self.proposed.insert(from);
                         }
                     }
@@ -231,7 +295,7 @@ impl Agreement {
         from: usize,
         bytes: &[u8],
     ) -> Result<Option<Decision>, AgreeError> {
-        let Some((kind, dead, payload)) = decode(n, bytes) else {
+        let Some((kind, dead, exited, payload)) = decode(n, bytes) else {
             tracing::warn!(from, "agreement: malformed message ignored");
             return Ok(None);
         };
@@ -242,10 +306,11 @@ impl Agreement {
         match kind {
             PROPOSE => {
                 self.dead.extend(dead);
+                self.exited.extend(exited);
                 self.proposed.insert(from);
                 Ok(None)
             }
-            DECIDE => {
+            DECIDE | MINORITY => {
                 if dead.contains(&me) {
                     return Err(AgreeError::Excluded { by: Some(from) });
                 }
@@ -257,6 +322,20 @@ impl Agreement {
                     // the coordinator: cannot be (crash failures), so ignore it.
                     return Ok(None);
                 }
+                if kind == MINORITY {
+                    let verdict = Agreement {
+                        dead,
+                        exited,
+                        proposed: BTreeSet::new(),
+                        sent: None,
+                    };
+                    return Err(verdict.minority(n).unwrap_or(AgreeError::Minority {
+                        reachable: Vec::new(),
+                        unreachable: Vec::new(),
+                        alive: n,
+                    }));
+                }
+                self.exited.extend(exited);
                 self.dead = dead.clone();
                 self.proposed.clear();
                 self.sent = None;
@@ -271,21 +350,33 @@ impl Agreement {
     }
 }
 
-/// `[kind u8][n u32][count u32][rank u32; count][payload]`.
-fn encode(kind: u8, n: usize, dead: &BTreeSet<usize>, payload: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(9 + 4 * dead.len() + payload.len());
+/// A message: `[kind u8][n u32]`, then the dead and the exited ranks, each
+/// `[count u32][rank u32; count]`, then the payload.
+fn encode(
+    kind: u8,
+    n: usize,
+    dead: &BTreeSet<usize>,
+    exited: &BTreeSet<usize>,
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut m = Vec::with_capacity(13 + 4 * (dead.len() + exited.len()) + payload.len());
     m.push(kind);
     m.extend_from_slice(&(n as u32).to_le_bytes());
-    m.extend_from_slice(&(dead.len() as u32).to_le_bytes());
-    for &r in dead {
-        m.extend_from_slice(&(r as u32).to_le_bytes());
+    for set in [dead, exited] {
+        m.extend_from_slice(&(set.len() as u32).to_le_bytes());
+        for &r in set {
+            m.extend_from_slice(&(r as u32).to_le_bytes());
+        }
     }
     m.extend_from_slice(payload);
     m
 }
 
+/// A decoded message: kind, dead ranks, exited ranks, payload.
+type Decoded = (u8, BTreeSet<usize>, BTreeSet<usize>, Vec<u8>);
+
 /// The inverse of [`encode`]; `None` for anything malformed (or of another world size).
-fn decode(n: usize, m: &[u8]) -> Option<(u8, BTreeSet<usize>, Vec<u8>)> {
+fn decode(n: usize, m: &[u8]) -> Option<Decoded> {
     let word = |i: usize| -> Option<usize> {
         m.get(i..i + 4)
             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
@@ -294,19 +385,26 @@ fn decode(n: usize, m: &[u8]) -> Option<(u8, BTreeSet<usize>, Vec<u8>)> {
     if word(1)? != n {
         return None;
     }
-    let count = word(5)?;
-    if count > n {
-        return None;
-    }
-    let mut dead = BTreeSet::new();
-    for i in 0..count {
-        let r = word(9 + 4 * i)?;
-        if r >= n {
+    let mut at = 5;
+    let mut set = || -> Option<BTreeSet<usize>> {
+        let count = word(at)?;
+        if count > n {
             return None;
         }
-        dead.insert(r);
-    }
-    Some((kind, dead, m[9 + 4 * count..].to_vec()))
+        let mut ranks = BTreeSet::new();
+        for i in 0..count {
+            let r = word(at + 4 + 4 * i)?;
+            if r >= n {
+                return None;
+            }
+            ranks.insert(r);
+        }
+        at += 4 + 4 * count;
+        Some(ranks)
+    };
+    let dead = set()?;
+    let exited = set()?;
+    Some((kind, dead, exited, m.get(at..)?.to_vec()))
 }
 
 #[cfg(test)]

@@ -219,3 +219,73 @@ fn random_deaths_of_up_to_all_but_one_rank_never_split_the_survivors() {
         check_agreed(n, &[], &out, &deaths);
     }
 }
+
+/// A network partition (no rank exited; each side finds the other unreachable): only the
+/// side with more than half of the ranks, or half with the lowest rank, decides; the other
+/// fails with `Minority` instead of forming a second communicator. Both sides used to go on
+/// (found by a network-fault campaign, 2026-12-08).
+#[test]
+fn across_a_partition_only_the_majority_decides() {
+    use crate::transport::Mesh;
+    // (world size, one side): the expected winner is the side holding a majority, or half
+    // with rank 0.
+    for (n, side) in [
+        (2, vec![0]),
+        (4, vec![0, 1]),
+        (4, vec![0, 3]),
+        (5, vec![0, 1]),
+        (5, vec![2]),
+        (3, vec![1, 2]),
+    ] {
+        let other: Vec<usize> = (0..n).filter(|r| !side.contains(r)).collect();
+        let wins = |s: &[usize]| 2 * s.len() > n || (2 * s.len() == n && s.contains(&0));
+        let winner = if wins(&side) { &side } else { &other };
+        let fabric = MemMeshFabric::new(n);
+        fabric.partition(&side);
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let mut mesh = fabric.mesh(r, None);
+                std::thread::spawn(move || {
+                    let me = mesh.rank();
+                    let payload = format!("store of {me}").into_bytes();
+                    Agreement::new([]).run(&mut mesh, &payload, Duration::from_secs(5))
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let out = h.join().unwrap();
+            let ctx = format!("n {n}, sides {side:?} | {other:?}, rank {r}");
+            if winner.contains(&r) {
+                let d = out.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                assert_eq!(d.survivors(n), *winner, "{ctx}");
+            } else {
+                match out {
+                    Err(AgreeError::Minority {
+                        reachable,
+                        unreachable,
+                        alive,
+                    }) => {
+                        assert_eq!(alive, n, "{ctx}");
+                        assert!(!reachable.is_empty() && reachable.contains(&r), "{ctx}");
+                        assert_eq!(&unreachable, winner, "{ctx}");
+                    }
+                    other => panic!("{ctx}: the minority must not decide: {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+/// Ranks that exited do not count: one survivor of two, when the other is gone (killed),
+/// decides, whichever rank it is; so does the last of five.
+#[test]
+fn survivors_of_deaths_decide_however_few() {
+    for (n, deaths) in [
+        (2, vec![Some(0), None]),
+        (2, vec![None, Some(0)]),
+        (5, vec![Some(0), Some(0), None, Some(0), Some(0)]),
+    ] {
+        let out = run(n, &[], &deaths);
+        check_agreed(n, &[], &out, &deaths);
+    }
+}

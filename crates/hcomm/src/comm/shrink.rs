@@ -70,7 +70,9 @@ impl Communicator {
     /// members, which excludes every rank known to be gone when the agreement ended; the ranks
     /// keep their order. It fails (every survivor with an error, never a hang past a few
     /// timeouts) when this rank is among the dropped, when the agreement's coordinator stays
-    /// alive but silent, or when the new communicator cannot be built after as many tries as
+    /// alive but silent, when the ranks that reach each other are not a majority of those
+    /// not known to have exited (a network partition: the other side may be going on;
+    /// [`Error::Timeout`] naming the unreachable ranks; see docs/fault-tolerance.md), or when the new communicator cannot be built after as many tries as
     /// there are ranks. The old communicator stays revoked: keep it until the new one is built
     /// on every rank (dropping it closes the connections the agreement runs over), then drop
     /// it.
@@ -117,7 +119,7 @@ impl Communicator {
                 let mut mesh = inner.links.mesh();
                 agreement.run(&mut mesh, payload.as_bytes(), timeout)
             };
-            let decision = decision.map_err(|e| agree_error(&ctx, e))?;
+            let decision = decision.map_err(|e| agree_error(&ctx, e, timeout))?;
             let survivors = decision.survivors(self.size);
             let rank = survivors
                 .iter()
@@ -212,12 +214,20 @@ impl Communicator {
     }
 }
 
-fn agree_error(ctx: &OpContext, e: AgreeError) -> Error {
+fn agree_error(ctx: &OpContext, e: AgreeError, timeout: Duration) -> Error {
     match e {
         AgreeError::CoordinatorSilent { coordinator, after } => Error::Timeout {
             ctx: ctx.clone(),
             peers: vec![coordinator],
             after,
+            detail: format!("shrink: {e}"),
+        },
+        AgreeError::Minority {
+            ref unreachable, ..
+        } => Error::Timeout {
+            ctx: ctx.clone(),
+            peers: unreachable.clone(),
+            after: timeout,
             detail: format!("shrink: {e}"),
         },
         AgreeError::Excluded { by } => Error::Remote {

@@ -180,6 +180,8 @@ struct MeshState {
     dead: Vec<bool>,
     /// `told[r][p]`: rank `r` was told that `p` is gone.
     told: Vec<Vec<bool>>,
+    /// `cut[r][p]`: nothing passes between `r` and `p` (a network partition).
+    cut: Vec<Vec<bool>>,
 }
 
 impl MemMeshFabric {
@@ -190,6 +192,7 @@ impl MemMeshFabric {
                 queues: (0..n).map(|_| VecDeque::new()).collect(),
                 dead: vec![false; n],
                 told: vec![vec![false; n]; n],
+                cut: vec![vec![false; n]; n],
             }),
             changed: Condvar::new(),
         })
@@ -211,6 +214,23 @@ impl MemMeshFabric {
     /// True once `rank` died.
     pub fn is_dead(&self, rank: usize) -> bool {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).dead[rank]
+    }
+
+    /// Cut the network between the ranks of `side` and the others: nothing passes either
+    /// way, and each rank is told that those of the other side are unreachable (as a TCP
+    /// mesh finds, with no sign that their processes exited).
+    pub fn partition(&self, side: &[usize]) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let n = st.dead.len();
+        for r in 0..n {
+            for p in 0..n {
+                if side.contains(&r) != side.contains(&p) {
+                    st.cut[r][p] = true;
+                }
+            }
+        }
+        drop(st);
+        self.changed.notify_all();
     }
 
     /// Kill `rank` now.
@@ -246,7 +266,7 @@ impl super::Mesh for MemMesh {
         if st.dead[self.rank] {
             return true; // a dead rank's sends go nowhere; it is about to find out
         }
-        if st.dead[to] {
+        if st.dead[to] || st.cut[self.rank][to] {
             return false;
         }
         st.queues[to].push_back((self.rank, bytes.to_vec()));
@@ -274,6 +294,10 @@ impl super::Mesh for MemMesh {
             if let Some(p) = (0..st.dead.len()).find(|&p| st.dead[p] && !st.told[me][p]) {
                 st.told[me][p] = true;
                 return super::MeshEvent::Gone(p);
+            }
+            if let Some(p) = (0..st.dead.len()).find(|&p| st.cut[me][p] && !st.told[me][p]) {
+                st.told[me][p] = true;
+                return super::MeshEvent::Unreachable(p);
             }
             let now = Instant::now();
             if now >= deadline {

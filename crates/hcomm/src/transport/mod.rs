@@ -45,6 +45,11 @@ pub enum MeshEvent {
     /// message it sent before is delivered first. A rank that is merely silent never shows up
     /// here: that is for the caller's deadline to judge.
     Gone(usize),
+    /// Rank `rank` cannot be reached, with no sign that its process exited (no connection
+    /// or handshake in time, a send that timed out): a network partition, a dead host or a
+    /// stopped process. The agreement goes on without it, but does not count it as gone when
+    /// it checks that the survivors are the majority (see [`crate::algo::agree`]).
+    Unreachable(usize),
     /// The deadline passed.
     Timeout,
 }

@@ -107,8 +107,10 @@ pub(super) struct RecoveryState {
     inn: Vec<Option<InConn>>,
     /// Peers reported gone (never reported twice, never used again).
     gone: Vec<bool>,
-    /// Peers whose listener could not be reached (to be reported gone).
-    unreachable: Vec<bool>,
+    /// Peers found gone or unreachable and not reported yet: `Some(true)` when their process
+    /// exited (a dial refused, a connection reset), `Some(false)` when they could not be
+    /// reached (see [`MeshEvent::Unreachable`]).
+    pending: Vec<Option<bool>>,
 }
 
 impl RecoveryState {
@@ -117,7 +119,7 @@ impl RecoveryState {
             out: (0..n).map(|_| None).collect(),
             inn: (0..n).map(|_| None).collect(),
             gone: vec![false; n],
-            unreachable: vec![false; n],
+            pending: vec![None; n],
         }
     }
 
@@ -145,15 +147,19 @@ impl TcpLinks {
     pub fn mesh(&mut self) -> TcpMesh<'_> {
         let me = self.rank;
         for p in (0..self.n).filter(|&p| p != me) {
-            if self.recovery.out[p].is_none() && !self.recovery.gone[p] {
+            if self.recovery.out[p].is_none()
+                && !self.recovery.gone[p]
+                && self.recovery.pending[p].is_none()
+            {
                 self.dial_recovery(p);
             }
         }
         TcpMesh { links: self }
     }
 
-    /// Dial `peer`'s recovery connection. A peer that cannot be reached (refused, or no
-    /// handshake within 2 s, three times) is marked to be reported gone.
+    /// Dial `peer`'s recovery connection. A peer whose listener refuses is marked to be
+    /// reported gone; one that cannot be reached otherwise (no connection or handshake within
+    /// 2 s, three times; no route) unreachable.
     fn dial_recovery(&mut self, peer: usize) -> bool {
         let ctx = OpContext {
             op: "shrink",
@@ -174,16 +180,18 @@ impl TcpLinks {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(e) => {
+                    let exited = matches!(e, DialError::Other(Error::PeerClosed { .. }));
                     let why = match e {
                         DialError::Handshake(e) => e.to_string(),
                         DialError::Other(e) => e.to_string(),
                     };
                     tracing::info!(peer, "recovery: rank {peer} unreachable: {why}");
-                    break;
+                    self.recovery.pending[peer] = Some(exited);
+                    return false;
                 }
             }
         }
-        self.recovery.unreachable[peer] = true;
+        self.recovery.pending[peer] = Some(false);
         false
     }
 }
@@ -236,8 +244,9 @@ impl TcpMesh<'_> {
         }
     }
 
-    /// A peer found gone (and not reported yet): refused earlier, or a connection closed.
-    fn newly_gone(&mut self) -> Option<usize> {
+    /// A peer found gone or unreachable (and not reported yet): refused or unreachable
+    /// earlier, or a connection closed.
+    fn newly_gone(&mut self) -> Option<MeshEvent> {
         let st = &mut self.links.recovery;
         for p in 0..st.gone.len() {
             if st.gone[p] || p == self.links.rank {
@@ -259,12 +268,19 @@ impl TcpMesh<'_> {
                     closed
                 }
             };
-            if in_closed || out_closed || st.unreachable[p] {
-                st.gone[p] = true;
-                st.out[p] = None;
-                st.inn[p] = None;
-                return Some(p);
-            }
+            let exited = match st.pending[p] {
+                _ if in_closed || out_closed => true,
+                Some(exited) => exited,
+                None => continue,
+            };
+            st.gone[p] = true;
+            st.out[p] = None;
+            st.inn[p] = None;
+            return Some(if exited {
+                MeshEvent::Gone(p)
+            } else {
+                MeshEvent::Unreachable(p)
+            });
         }
         None
     }
@@ -300,19 +316,24 @@ impl Mesh for TcpMesh<'_> {
     }
 
     fn send(&mut self, to: usize, bytes: &[u8]) -> bool {
-        if self.links.recovery.gone[to] {
+        if self.links.recovery.gone[to] || self.links.recovery.pending[to].is_some() {
             return false;
         }
         if self.links.recovery.out[to].is_none() && !self.links.dial_recovery(to) {
-            self.links.recovery.gone[to] = true;
+            // Reported by `next` (gone or unreachable, as the dial found).
             return false;
         }
         let s = self.links.recovery.out[to].as_ref().expect("dialled");
         let mut frame = (bytes.len() as u32).to_le_bytes().to_vec();
         frame.extend_from_slice(bytes);
-        if (&*s).write_all(&frame).is_err() {
+        if let Err(e) = (&*s).write_all(&frame) {
+            // Reset or closed: the process exited; a write that timed out: unreachable.
+            let exited = !matches!(
+                e.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            );
             let st = &mut self.links.recovery;
-            st.gone[to] = true;
+            st.pending[to] = Some(exited);
             st.out[to] = None;
             return false;
         }
@@ -326,8 +347,8 @@ impl Mesh for TcpMesh<'_> {
             if let Some((from, bytes)) = self.ready_message() {
                 return MeshEvent::Message { from, bytes };
             }
-            if let Some(p) = self.newly_gone() {
-                return MeshEvent::Gone(p);
+            if let Some(event) = self.newly_gone() {
+                return event;
             }
             if Instant::now() >= deadline {
                 return MeshEvent::Timeout;
