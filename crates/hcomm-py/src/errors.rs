@@ -53,9 +53,14 @@ pub fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::InvalidArgument { ctx, .. } => ("InvalidArgumentError", Some(ctx), vec![]),
         Error::Timeout { ctx, peers, .. } => ("HcommTimeoutError", Some(ctx), peers.clone()),
         Error::WaitTimeout { .. } => ("HcommTimeoutError", None, vec![]),
-        Error::PeerClosed { ctx, peer, .. }
-        | Error::Remote { ctx, peer, .. }
-        | Error::Protocol { ctx, peer, .. } => ("PeerError", Some(ctx), vec![*peer]),
+        Error::PeerClosed { ctx, peer, .. } | Error::Protocol { ctx, peer, .. } => {
+            ("PeerError", Some(ctx), vec![*peer])
+        }
+        // A failure another rank reported: the rank it blames (the one to drop in a shrink),
+        // or the reporter when it blames none.
+        Error::Remote {
+            ctx, peer, culprit, ..
+        } => ("PeerError", Some(ctx), vec![culprit.unwrap_or(*peer)]),
         Error::Mismatch { ctx, peer, .. } | Error::SizeMismatch { ctx, peer, .. } => {
             ("MismatchError", Some(ctx), vec![*peer])
         }
