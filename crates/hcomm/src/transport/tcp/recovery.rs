@@ -196,6 +196,17 @@ impl TcpLinks {
     }
 }
 
+/// True for the errors of a connection whose other end closed or reset it (its process
+/// exited, the kernel answering for it); false for those of an unreachable peer (no route,
+/// timed out), which may be alive across a network partition.
+fn peer_closed(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof | NotConnected
+    )
+}
+
 /// The [`Mesh`] of a communicator's recovery connections (see the module doc).
 pub struct TcpMesh<'a> {
     links: &'a mut TcpLinks,
@@ -232,13 +243,23 @@ impl TcpMesh<'_> {
     /// Read what the inbound connections hold; note the ones that closed.
     fn read_all(&mut self) {
         let mut chunk = [0u8; 4096];
-        for c in self.links.recovery.inn.iter_mut().flatten() {
+        let st = &mut self.links.recovery;
+        for (p, conn) in st.inn.iter_mut().enumerate() {
+            let Some(c) = conn.as_mut() else { continue };
             while !c.eof {
                 match (&c.sock).read(&mut chunk) {
                     Ok(0) => c.eof = true,
                     Ok(k) => c.buf.extend_from_slice(&chunk[..k]),
                     Err(e) if would_block(&e) => break,
-                    Err(_) => c.eof = true,
+                    // Closed by the peer's end: its process exited.
+                    Err(e) if peer_closed(&e) => c.eof = true,
+                    // No route, timed out: the network, not a sign that the peer exited.
+                    Err(_) => {
+                        c.eof = true;
+                        c.buf.clear();
+                        st.pending[p].get_or_insert(false);
+                        break;
+                    }
                 }
             }
         }
@@ -252,17 +273,24 @@ impl TcpMesh<'_> {
             if st.gone[p] || p == self.links.rank {
                 continue;
             }
-            let in_closed = st.inn[p].as_ref().is_some_and(|c| c.eof && c.buf.len() < 4);
+            let in_closed = st.pending[p].is_none()
+                && st.inn[p].as_ref().is_some_and(|c| c.eof && c.buf.len() < 4);
             let out_closed = match &st.out[p] {
                 None => false,
                 Some(s) => {
-                    // The peer never writes here: readable means closed (or reset).
+                    // The peer never writes here: readable means closed (or reset); another
+                    // error (no route, timed out) is the network's.
                     let _ = s.set_nonblocking(true);
                     let mut b = [0u8; 1];
                     let closed = match (&*s).read(&mut b) {
                         Ok(0) => true,
                         Ok(_) => false,
-                        Err(e) => !would_block(&e),
+                        Err(e) if would_block(&e) => false,
+                        Err(e) if peer_closed(&e) => true,
+                        Err(_) => {
+                            st.pending[p].get_or_insert(false);
+                            false
+                        }
                     };
                     let _ = s.set_nonblocking(false);
                     closed
@@ -327,11 +355,8 @@ impl Mesh for TcpMesh<'_> {
         let mut frame = (bytes.len() as u32).to_le_bytes().to_vec();
         frame.extend_from_slice(bytes);
         if let Err(e) = (&*s).write_all(&frame) {
-            // Reset or closed: the process exited; a write that timed out: unreachable.
-            let exited = !matches!(
-                e.kind(),
-                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
-            );
+            // Reset or closed: the process exited; timed out, no route: unreachable.
+            let exited = peer_closed(&e);
             let st = &mut self.links.recovery;
             st.pending[to] = Some(exited);
             st.out[to] = None;
