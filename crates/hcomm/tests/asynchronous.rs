@@ -462,12 +462,12 @@ fn first_hierarchical_all_reduces_from_a_job_and_the_caller_do_not_deadlock() {
 /// `shrink_group(e.peers)` excluded a live rank (found by a network-fault campaign, 2026-12-08).
 #[test]
 fn a_rank_lost_in_a_hierarchical_all_reduce_is_named_by_its_rank_in_the_users_communicator() {
-    within(Duration::from_secs(120), || {
-        let gone = hcomm::testing::TestBarrier::new(4);
-        let out = hcomm::testing::run_threads_on_hosts(
-            &["a", "a", "b", "b"],
-            Duration::from_secs(3),
-            |c| {
+    // Hosts of consecutive ranks, and hosts that take turns (the sub-communicators' members
+    // are then not blocks of ranks).
+    for hosts in [["a", "a", "b", "b"], ["a", "b", "a", "b"]] {
+        within(Duration::from_secs(120), move || {
+            let gone = hcomm::testing::TestBarrier::new(4);
+            let out = hcomm::testing::run_threads_on_hosts(&hosts, Duration::from_secs(3), |c| {
                 use hcomm::{Algo, Collective};
                 c.set_algorithm(Collective::AllReduce, Algo::Hierarchical)?;
                 let mut v = vec![1.0f32; 1 << 16];
@@ -481,29 +481,32 @@ fn a_rank_lost_in_a_hierarchical_all_reduce_is_named_by_its_rank_in_the_users_co
                 Ok(Some(
                     c.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err(),
                 ))
-            },
-        );
-        for (r, o) in out.into_iter().enumerate().take(3) {
-            let e = o
-                .unwrap_or_else(|e| panic!("rank {r}: {e}"))
-                .expect("failed");
-            let text = e.to_string();
-            // The user's operation (the sub-communicators' steps are named inside).
-            assert!(text.starts_with("all_reduce (seq "), "rank {r}: {text}");
-            assert!(text.contains("in its step "), "rank {r}: {text}");
-            assert!(
-                !hcomm::testing::names_rank(&e, r),
-                "rank {r} blames itself: {text}"
-            );
-            // Ranks 1 and 2 work with rank 3 directly (across the hosts and on its host);
-            // rank 0 waits for one of them, or is told by one of them.
-            let named = if r == 0 { &[1, 2, 3][..] } else { &[3][..] };
-            assert!(
-                named.iter().any(|&x| hcomm::testing::names_rank(&e, x)),
-                "rank {r} should name one of {named:?}: {e:?}"
-            );
-        }
-    });
+            });
+            for (r, o) in out.into_iter().enumerate().take(3) {
+                let e = o
+                    .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+                    .expect("failed");
+                let text = e.to_string();
+                // The user's operation (the sub-communicators' steps are named inside).
+                assert!(
+                    text.starts_with("all_reduce (seq "),
+                    "{hosts:?}: rank {r}: {text}"
+                );
+                assert!(text.contains("in its step "), "{hosts:?}: rank {r}: {text}");
+                assert!(
+                    !hcomm::testing::names_rank(&e, r),
+                    "rank {r} blames itself: {text}"
+                );
+                // Ranks 1 and 2 work with rank 3 directly (one on its host, the other across);
+                // rank 0 waits for one of them, or is told by one of them.
+                let named = if r == 0 { &[1, 2, 3][..] } else { &[3][..] };
+                assert!(
+                    named.iter().any(|&x| hcomm::testing::names_rank(&e, x)),
+                    "{hosts:?}: rank {r} should name one of {named:?}: {e:?}"
+                );
+            }
+        });
+    }
 }
 
 #[test]

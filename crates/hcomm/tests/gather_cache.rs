@@ -203,7 +203,8 @@ fn ranks_that_disagree_fail_and_say_why() {
         "{texts:?}"
     );
     for (r, t) in texts.iter().enumerate() {
-        let reported = format!("rank {} reported an error: rank ", 1 - r);
+        // The other rank blames one of the two: "rank 0 …" or "this rank (rank 1) …".
+        let reported = format!("rank {} reported an error: ", 1 - r);
         assert!(
             t.contains("gather-cache")
                 || (t.contains(&reported) && t.contains("called a different collective")),

@@ -78,14 +78,13 @@ pub enum AgreeError {
     /// The ranks that can reach each other are not a majority of the ranks that may still
     /// be alive: the others may be going on without them (a network partition), so these
     /// stop rather than form a second communicator.
-    #[error("only ranks {reachable:?} can reach each other; ranks {unreachable:?} cannot be reached but are not known to have exited (a network partition, a dead host or stopped processes), and may be going on without these: fewer than half of the {alive} ranks that may be alive, or half without the lowest of them, do not go on (drop the others explicitly with shrink_excluding if they are known to be gone)")]
+    #[error("only ranks {reachable:?} can reach each other; ranks {unreachable:?} cannot be reached but are not known to have exited (a network partition, a dead host or stopped processes), and may be going on without these: fewer than half of the {alive} ranks that may be alive, or half without the lowest of them, do not go on")]
     Minority {
         /// The ranks that could reach each other.
         reachable: Vec<usize>,
         /// The ranks dropped for being unreachable or silent, not known to have exited.
         unreachable: Vec<usize>,
-        /// How many ranks may be alive (all but those known to have exited or dropped on
-        /// purpose).
+        /// How many ranks may be alive (all but those known to have exited).
         alive: usize,
     },
     /// The coordinator is alive (its connections stay open) but did not decide in time.
@@ -102,8 +101,8 @@ pub enum AgreeError {
 #[derive(Debug)]
 pub struct Agreement {
     dead: BTreeSet<usize>,
-    /// The ranks of `dead` known to have exited (or dropped on purpose); the others were
-    /// unreachable or silent, and may be alive on the other side of a partition.
+    /// The ranks of `dead` known to have exited; the others were unreachable, silent or
+    /// dropped on purpose, and may be alive on the other side of a partition.
     exited: BTreeSet<usize>,
     /// Ranks whose proposal this rank holds (valid until a decision is sent).
     proposed: BTreeSet<usize>,
@@ -114,10 +113,12 @@ pub struct Agreement {
 impl Agreement {
     /// Start with the ranks this rank knows are gone (or wants dropped).
     pub fn new(known_dead: impl IntoIterator<Item = usize>) -> Agreement {
-        let dead: BTreeSet<usize> = known_dead.into_iter().collect();
+        // Ranks dropped on purpose are not taken for exited: both sides of a partition may
+        // name the other (torch's `shrink_group` always names someone), and only the mesh's
+        // `Gone` proves an exit.
         Agreement {
-            exited: dead.clone(),
-            dead,
+            exited: BTreeSet::new(),
+            dead: known_dead.into_iter().collect(),
             proposed: BTreeSet::new(),
             sent: None,
         }

@@ -240,36 +240,46 @@ fn across_a_partition_only_the_majority_decides() {
         let other: Vec<usize> = (0..n).filter(|r| !side.contains(r)).collect();
         let wins = |s: &[usize]| 2 * s.len() > n || (2 * s.len() == n && s.contains(&0));
         let winner = if wins(&side) { &side } else { &other };
-        let fabric = MemMeshFabric::new(n);
-        fabric.partition(&side);
-        let handles: Vec<_> = (0..n)
-            .map(|r| {
-                let mut mesh = fabric.mesh(r, None);
-                std::thread::spawn(move || {
-                    let me = mesh.rank();
-                    let payload = format!("store of {me}").into_bytes();
-                    Agreement::new([]).run(&mut mesh, &payload, Duration::from_secs(5))
+        // Each side may also name a rank of the other as dropped (as torch's `shrink_group`
+        // always does): that must not let both go on.
+        for naming in [false, true] {
+            let fabric = MemMeshFabric::new(n);
+            fabric.partition(&side);
+            let (side_c, other_c) = (side.clone(), other.clone());
+            let handles: Vec<_> = (0..n)
+                .map(|r| {
+                    let mut mesh = fabric.mesh(r, None);
+                    let named: Vec<usize> = match (naming, side_c.contains(&r)) {
+                        (false, _) => vec![],
+                        (true, true) => vec![other_c[0]],
+                        (true, false) => vec![side_c[0]],
+                    };
+                    std::thread::spawn(move || {
+                        let me = mesh.rank();
+                        let payload = format!("store of {me}").into_bytes();
+                        Agreement::new(named).run(&mut mesh, &payload, Duration::from_secs(5))
+                    })
                 })
-            })
-            .collect();
-        for (r, h) in handles.into_iter().enumerate() {
-            let out = h.join().unwrap();
-            let ctx = format!("n {n}, sides {side:?} | {other:?}, rank {r}");
-            if winner.contains(&r) {
-                let d = out.unwrap_or_else(|e| panic!("{ctx}: {e}"));
-                assert_eq!(d.survivors(n), *winner, "{ctx}");
-            } else {
-                match out {
-                    Err(AgreeError::Minority {
-                        reachable,
-                        unreachable,
-                        alive,
-                    }) => {
-                        assert_eq!(alive, n, "{ctx}");
-                        assert!(!reachable.is_empty() && reachable.contains(&r), "{ctx}");
-                        assert_eq!(&unreachable, winner, "{ctx}");
+                .collect();
+            for (r, h) in handles.into_iter().enumerate() {
+                let out = h.join().unwrap();
+                let ctx = format!("n {n}, sides {side:?} | {other:?}, naming {naming}, rank {r}");
+                if winner.contains(&r) {
+                    let d = out.unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    assert_eq!(d.survivors(n), *winner, "{ctx}");
+                } else {
+                    match out {
+                        Err(AgreeError::Minority {
+                            reachable,
+                            unreachable,
+                            alive,
+                        }) => {
+                            assert_eq!(alive, n, "{ctx}");
+                            assert!(!reachable.is_empty() && reachable.contains(&r), "{ctx}");
+                            assert_eq!(&unreachable, winner, "{ctx}");
+                        }
+                        other => panic!("{ctx}: the minority must not decide: {other:?}"),
                     }
-                    other => panic!("{ctx}: the minority must not decide: {other:?}"),
                 }
             }
         }

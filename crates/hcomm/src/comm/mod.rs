@@ -434,12 +434,17 @@ impl Communicator {
         // Internal communicators: the fault-injection hook applies to the user's calls only.
         within.corrupt_results = false;
         across.corrupt_results = false;
-        let (hosts, per_host) = (self.size / ranks_per_host, ranks_per_host);
+        // The members of each split, in its order (by rank): the ranks of this host, and the
+        // ranks with this rank's index in their host (hosts need not hold consecutive ranks).
+        let _ = (host, ranks_per_host);
+        let local_of = |r: usize| (0..r).filter(|&q| self.hosts[q] == self.hosts[r]).count();
         let h = Arc::new(Hierarchy {
             within,
-            within_ranks: (host * per_host..(host + 1) * per_host).collect(),
+            within_ranks: (0..self.size)
+                .filter(|&r| self.hosts[r] == self.hosts[self.rank])
+                .collect(),
             across,
-            across_ranks: (0..hosts).map(|h| h * per_host + local).collect(),
+            across_ranks: (0..self.size).filter(|&r| local_of(r) == local).collect(),
         });
         *guard = Some(h.clone());
         Ok(h)
